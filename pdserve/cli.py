@@ -1,0 +1,108 @@
+"""The `pdserve` command line: `generate` (offline) and `bench`; `serve`, `proxy` and
+`up` arrive with the server and P/D issues."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pdserve import envs
+from pdserve.errors import PdserveError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="default", help="HF directory, .gguf file, or `default`")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "num_blocks": args.num_kv_blocks,
+        "kv_cache_memory_bytes": int(args.kv_cache_memory_gib * (1 << 30)),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "seed": args.seed,
+    }
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_options(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        stop=tuple(args.stop or ()),
+    )
+    prompts = args.prompt
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        text = out.outputs[0].text
+        print(text if args.chat or len(prompts) == 1 and args.quiet else f"{prompt}{text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--quiet", action="store_true", help="print only the completion")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from pdserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    envs.force_hub_offline()
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PdserveError as e:
+        print(f"pdserve: error: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

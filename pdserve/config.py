@@ -1,0 +1,94 @@
+"""Engine configuration: frozen dataclasses with a documented default per field.
+
+Built once (from CLI flags, an optional config file, or `pdserve.LLM(...)` keyword
+arguments) and validated at construction: a bad value raises `ConfigError` at start-up,
+never later. Environment variables are read in one place, `pdserve.envs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "default"
+    """A Hugging Face directory, a .gguf file, or `default` (SmolLM2-135M-Instruct)."""
+    load_format: str = "auto"
+    """`auto` (by file type), `gguf`, `safetensors`, or `dummy` (random weights)."""
+    dtype: str = "auto"
+    """`auto` = bfloat16 (float32 on a CPU without bf16 support), or float32/bfloat16/float16."""
+    device: str = "auto"
+    """`auto` = cuda when available, else cpu."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; default: the model's context length."""
+    seed: int = 0
+    """Seed for dummy weights and for the sampler of unseeded requests."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Blocks in the pool; default: derived from `kv_cache_memory_bytes`."""
+    kv_cache_memory_bytes: int = 1 << 30
+    """Memory budget for the KV pool when `num_blocks` is not given (1 GiB)."""
+    enable_prefix_caching: bool = True
+    """Reuse blocks of a repeated prompt prefix."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 1,
+            f"num_blocks must be >= 1, got {self.num_blocks}",
+        )
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step's batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget per step (prefill chunks + one token per decoding request)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

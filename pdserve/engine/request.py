@@ -1,0 +1,104 @@
+"""A request inside the engine, and its states.
+
+    WAITING ──scheduled──▶ RUNNING ──stop / length──▶ FINISHED_STOPPED | FINISHED_LENGTH
+       ▲                      │
+       └──── PREEMPTED ◀──────┘  (blocks ran out: freed, recomputed later from its tokens)
+
+    any non-finished state ──abort──▶ FINISHED_ABORTED
+
+`token_ids` is prompt + output so far; `num_computed_tokens` of them have their KV in the
+cache. The next step feeds `token_ids[num_computed_tokens:]` (or a chunk of it).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The `logprobs` most likely (token id, logprob) pairs at this position."""
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.eos_token_ids = eos_token_ids
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens served from the prefix cache at first scheduling."""
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,233 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step, `schedule()` fills a token budget:
+1. running requests first, in arrival order: one token each when decoding, the next
+   chunk when still prefilling; if blocks run out, the newest running request is
+   preempted (its blocks freed; it goes back to the front of the waiting queue and is
+   recomputed later, mostly from the prefix cache);
+2. then waiting requests, oldest first, while the budget, blocks and `max_num_seqs` allow.
+
+After the model ran, `update_from_output()` appends the sampled tokens and finishes
+requests that hit EOS, a stop token, `max_tokens` or the context limit. Requests can be
+aborted in any state with `finish_requests()`.
+
+The scheduler is role-agnostic: everything about KV transfer goes through the
+`KVConnector` hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_connector import KVConnector, NoKVConnector
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv_cache.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_context_tokens: int
+    """Tokens already in the cache before this step's `num_new_tokens`."""
+    block_ids: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the request's known tokens (so it samples)?"""
+        return self.num_context_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    """Single-token entries (decodes) first, then multi-token prefill chunks."""
+    num_decodes: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.connector = connector or NoKVConnector()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: set[str] = set()
+        """Finished requests whose blocks the connector keeps pinned."""
+        self.num_preemptions = 0
+
+    # -- admission and abort ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate internal request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.connector.on_request_added(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests in any state (abort, stop string). Unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
+        return SchedulerOutput(tuple(scheduled), num_decodes, tuple(preempted))
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = []
+            if request.num_computed_tokens == 0:
+                cached = self.kv.find_cached_prefix(request.token_ids)
+            num_computed = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request.request_id, num_computed + num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0 and request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        block_ids = self.kv.block_ids(request.request_id)
+        self.connector.on_blocks_allocated(request, block_ids)
+        return ScheduledRequest(request, num_new, request.num_computed_tokens, tuple(block_ids))
+
+    def _preempt(self, request: Request) -> None:
+        logger.info("preempting %s (KV blocks exhausted)", request.request_id)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the model ran -------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Sequence[int | None]
+    ) -> list[Request]:
+        """Record the step: `sampled[i]` is the token for `output.scheduled[i]` (or None).
+
+        Returns the requests that got a new token (finished ones included).
+        """
+        updated = []
+        for entry, token in zip(output.scheduled, sampled, strict=True):
+            request = entry.request
+            if request.is_finished:  # finished during the step (abort): drop the result
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv.cache_full_blocks(
+                request.request_id, request.token_ids, request.num_computed_tokens
+            )
+            if token is None:
+                continue
+            request.token_ids.append(token)
+            updated.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        self._release_held(self.connector.on_step_finished(output))
+        return updated
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        del self.requests[request.request_id]
+        block_ids = self.kv.block_ids(request.request_id)
+        if self.connector.on_request_finished(request, block_ids):
+            self.held.add(request.request_id)
+        else:
+            self.kv.free(request.request_id)
+
+    def _release_held(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self.held:
+                self.held.remove(request_id)
+                self.kv.free(request_id)
+
+    def tick(self) -> None:
+        """Give the connector a chance to release held blocks while no step runs."""
+        self._release_held(self.connector.on_step_finished(SchedulerOutput((), 0)))

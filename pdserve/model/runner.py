@@ -1,0 +1,137 @@
+"""Owns the model and the KV cache tensor; turns a `SchedulerOutput` into sampled tokens.
+
+Per step: build flat input tensors (token ids, positions, slots) and attention metadata
+from the scheduled requests, run the model on every token at once, compute logits only
+for the requests that sample this step, and sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.model.attention import AttentionMetadata, PrefillChunk, causal_mask_with_context
+from pdserve.model.loader import LoadedModel
+from pdserve.model.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    sampled: list[int | None]
+    """Per scheduled entry: the new token, or None for a prefill chunk that does not sample."""
+    logprobs: list[TokenLogprob | None]
+
+
+def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    a = loaded.arch
+    return a.num_layers * 2 * block_size * a.num_kv_heads * a.head_dim * loaded.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = block_size
+        a = loaded.arch
+        self.kv_cache = torch.zeros(
+            (num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim),
+            dtype=loaded.dtype,
+            device=self.device,
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        input_ids, positions, meta, logits_indices = self._prepare(output)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        samplers = [s.request for s in output.scheduled if s.samples]
+        tokens, entries = sample(logits, samplers, self.generator)
+        sampled: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        it = iter(zip(tokens, entries, strict=True))
+        for s in output.scheduled:
+            token, entry = next(it) if s.samples else (None, None)
+            sampled.append(token)
+            logprobs.append(entry)
+        return ModelOutput(sampled, logprobs)
+
+    def _prepare(
+        self, output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        block_tables: list[np.ndarray] = []
+        logits_indices: list[int] = []
+        for s in output.scheduled:
+            start, n = s.num_context_tokens, s.num_new_tokens
+            token_ids.extend(s.request.token_ids[start : start + n])
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            block_tables.append(np.asarray(s.block_ids, dtype=np.int64))
+            if s.samples:
+                logits_indices.append(len(token_ids) - 1)
+        pos = np.concatenate(positions)
+        slot_blocks = np.concatenate(
+            [bt[p // bs] for bt, p in zip(block_tables, positions, strict=True)]
+        )
+        dev = self.device
+        nd = output.num_decodes
+        decode_tables, decode_mask = self._decode_tables(output.scheduled[:nd], block_tables[:nd])
+        meta = AttentionMetadata(
+            num_decode_tokens=nd,
+            slot_block_ids=torch.from_numpy(slot_blocks).to(dev),
+            slot_offsets=torch.from_numpy(pos % bs).to(dev),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=self._prefill_chunks(output.scheduled[nd:], block_tables[nd:], nd),
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=dev),
+            torch.from_numpy(pos).to(dev),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long, device=dev),
+        )
+
+    def _decode_tables(
+        self, entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not entries:
+            empty = torch.zeros((0, 1), dtype=torch.long, device=self.device)
+            return empty, torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=self.device)
+        max_blocks = max(len(t) for t in tables)
+        padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = t
+        seq_lens = np.array([s.num_context_tokens + 1 for s in entries], dtype=np.int64)
+        keys = np.arange(max_blocks * self.block_size, dtype=np.int64)
+        mask = keys[None, :] < seq_lens[:, None]
+        return (
+            torch.from_numpy(padded).to(self.device),
+            torch.from_numpy(mask).to(self.device)[:, None, None, :],
+        )
+
+    def _prefill_chunks(
+        self, entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray], start: int
+    ) -> tuple[PrefillChunk, ...]:
+        chunks = []
+        for s, table in zip(entries, tables, strict=True):
+            n, ctx = s.num_new_tokens, s.num_context_tokens
+            num_blocks = -(-(ctx + n) // self.block_size)
+            chunks.append(
+                PrefillChunk(
+                    token_start=start,
+                    num_tokens=n,
+                    num_context_tokens=ctx,
+                    block_table=torch.from_numpy(table[:num_blocks]).to(self.device),
+                    mask=causal_mask_with_context(n, ctx, self.device) if ctx else None,
+                )
+            )
+            start += n
+        return tuple(chunks)
+

@@ -1,0 +1,124 @@
+"""Turn a batch of logits into next tokens, one row per request that samples this step.
+
+Order of operations per row (as vLLM and OpenAI define them):
+raw logprobs (for `logprobs`) → repetition / presence / frequency penalties → min_tokens
+masking of EOS and stop tokens → greedy argmax, or temperature → top-k → top-p → min-p →
+a draw. Draws use the exponential race (argmax of p / Exp(1) is a sample from p), with
+noise from the request's own CPU generator when it has a seed, so a seeded request gives
+the same tokens whatever else shares its batch and on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+
+
+def sample(
+    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits [N, V] float32, one row per request -> (token ids, logprob entries)."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in requests):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_penalties(logits, requests)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [requests[i] for i in random_rows])
+        noise = _exponential_noise(probs.shape, [requests[i] for i in random_rows], generator)
+        tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
+    token_list = tokens.tolist()
+    entries = [None] * len(requests) if raw_logprobs is None else _logprobs(raw_logprobs, token_list, requests)
+    return token_list, entries
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.params.presence_penalty or r.params.frequency_penalty
+        or r.params.repetition_penalty != 1.0
+        or r.num_output_tokens < r.params.min_tokens
+    ]  # fmt: skip
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        r, p = requests[i], requests[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)), device=row.device, dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(r.output_token_ids, device=row.device, dtype=torch.long)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if r.num_output_tokens < p.min_tokens:
+            banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab]
+            row[banned] = float("-inf")
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    top_k = [r.params.top_k for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
+    if bool((min_p > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already hold at least top_p of the mass
+    # (the most likely token always survives).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(
+    shape: torch.Size, requests: Sequence[Request], generator: torch.Generator
+) -> torch.Tensor:
+    noise = torch.empty(shape, dtype=torch.float32)
+    for i, r in enumerate(requests):
+        noise[i].exponential_(generator=r.generator or generator)
+    return noise
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]
+) -> list[TokenLogprob | None]:
+    max_n = max(r.params.logprobs or 0 for r in requests)
+    top_vals, top_ids = raw.topk(max(max_n, 1), dim=-1)
+    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1)
+    chosen_list, vals, ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, r in enumerate(requests):
+        n = r.params.logprobs
+        if n is None:
+            out.append(None)
+            continue
+        out.append(TokenLogprob(tokens[i], chosen_list[i], list(zip(ids[i][:n], vals[i][:n], strict=True))))
+    return out
