@@ -139,8 +139,10 @@ def _load_weights(
         "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
         "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
     }  # fmt: skip
+    # Fused parameters are complete only when each of their parts arrived.
+    parts_of = {"qkv_proj": 3, "gate_up_proj": 2}
     expected = {n for n in params if not (arch.tie_word_embeddings and n == "lm_head.weight")}
-    loaded: set[str] = set()
+    loaded: dict[str, set[int]] = {}
     for hf_name, tensor in weights:
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight" and arch.tie_word_embeddings:
@@ -160,8 +162,10 @@ def _load_weights(
                 f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
         target.copy_(tensor)
-        loaded.add(name)
-    missing = sorted(expected - loaded)
+        loaded.setdefault(name, set()).add(target_slice.start or 0)
+    missing = sorted(
+        n for n in expected if len(loaded.get(n, ())) < parts_of.get(n.split(".")[-2], 1)
+    )
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 

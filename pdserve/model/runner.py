@@ -48,8 +48,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        input_ids, positions, meta, logits_indices = self._prepare(output)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        logits = self.forward(output)
         samplers = [s.request for s in output.scheduled if s.samples]
         tokens, entries = sample(logits, samplers, self.generator)
         sampled: list[int | None] = []
@@ -60,6 +59,11 @@ class ModelRunner:
             sampled.append(token)
             logprobs.append(entry)
         return ModelOutput(sampled, logprobs)
+
+    def forward(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run the model over the step; float32 logits of the entries that sample."""
+        input_ids, positions, meta, logits_indices = self._prepare(output)
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
 
     def _prepare(
         self, output: SchedulerOutput

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Hugging Face models on disk and the real default model."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def save_tiny_hf_model(path: Path, arch: str, seed: int = 0) -> Path:
+    """A 2-layer random model of the given family, saved as a Hugging Face directory."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=arch == "qwen2",
+    )
+    config, cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = cls(config(**common))
+    with torch.no_grad():  # HF's init leaves biases at 0 and norms at 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    made: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in made:
+            made[arch] = save_tiny_hf_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return made[arch]
+
+    return get
+
+
+@cache
+def _default_hf_reference() -> Any:
+    from pdserve.bench.hf_reference import hf_model_from_gguf
+    from pdserve.model.loader import default_model_path
+
+    model, _ = hf_model_from_gguf(default_model_path(), torch.float32)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> Any:
+    """HF transformers' Llama with SmolLM2's weights (fp32), the reference."""
+    return _default_hf_reference()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm() -> Any:
+    """pdserve's LLM on the default model, fp32 (references are compared in fp32)."""
+    from pdserve import LLM
+
+    return LLM("default", dtype="float32", num_blocks=512, max_model_len=2048)

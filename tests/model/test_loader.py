@@ -1,0 +1,89 @@
+"""Model loading: sources, dummy weights, and clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ModelConfig
+from pdserve.errors import ConfigError, ModelLoadError
+from pdserve.model.loader import default_model_path, load_model
+
+
+def test_dummy_weights_use_the_config_shape_and_generate(tiny_model_dir: Any) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), load_format="dummy", dtype="float32", num_blocks=32)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, seed=1))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.loaded.arch.num_layers == 2
+
+
+def test_dummy_default_model_keeps_tokenizer() -> None:
+    llm = LLM("default", load_format="dummy", dtype="bfloat16", num_blocks=16, max_model_len=256)
+    assert llm.tokenizer is not None and llm.tokenizer.encode("hi")
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(ModelConfig(model=str(tmp_path / "nope")))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(ModelConfig(model=str(tmp_path)))
+
+
+def test_bad_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(ModelConfig(model=str(tmp_path)))
+
+
+def test_corrupt_safetensors(tiny_model_dir: Any, tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), target)
+    weights = next(target.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_model(ModelConfig(model=str(target), dtype="float32"))
+
+
+def test_missing_weight_is_reported(tiny_model_dir: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), target)
+    weights = next(target.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, str(weights))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights"):
+        load_model(ModelConfig(model=str(target), dtype="float32"))
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(default_model_path().read_bytes()[:4096])
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        load_model(ModelConfig(model=str(bad)))
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(ModelLoadError):
+        load_model(ModelConfig(model=str(bad)))
+
+
+def test_bad_config_values_fail_at_construction() -> None:
+    with pytest.raises(ConfigError, match="dtype"):
+        ModelConfig(dtype="int3")
+    with pytest.raises(ConfigError, match="load_format"):
+        ModelConfig(load_format="pickle")
