@@ -147,10 +147,16 @@ def test_chunked_prefill_splits_a_long_prompt_and_only_the_last_chunk_samples() 
     request = make_request(10, max_tokens=1)
     scheduler.add_request(request)
 
-    chunks = [run_step(scheduler).scheduled[0] for _ in range(3)]
+    chunks, samples = [], []
+    for _ in range(3):
+        out = scheduler.schedule()
+        (entry,) = out.scheduled
+        chunks.append(entry)
+        samples.append(entry.samples)
+        scheduler.update_from_output(out, [SAMPLED_TOKEN if entry.samples else None])
     assert [c.num_new_tokens for c in chunks] == [4, 4, 2]
     assert [c.num_context_tokens for c in chunks] == [0, 4, 8]
-    assert [c.samples for c in chunks] == [False, False, True]
+    assert samples == [False, False, True]
     assert request.output_token_ids == [SAMPLED_TOKEN]
     assert_idle(scheduler)
 
@@ -645,6 +651,34 @@ def test_new_request_never_gets_blocks_held_for_a_finished_request_of_the_same_i
     connector.releasable = ["a"]  # the old request's transfer is done
     run_step(scheduler)
     assert scheduler.kv.holds("a")  # the new, still running request keeps its blocks
+
+
+class SamplesAtStepEnd(KVConnector):
+    def __init__(self) -> None:
+        self.seen: list[list[bool]] = []
+
+    def on_step_finished(self, output: SchedulerOutput) -> Sequence[str]:
+        self.seen.append([s.samples for s in output.scheduled])
+        return ()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG scheduler.py:42 ScheduledRequest.samples is computed from the live request, so "
+    "after update_from_output appends the token it reads False; on_step_finished (and anyone "
+    "holding the frozen SchedulerOutput) sees no entry as sampling",
+)
+def test_connector_at_step_end_sees_which_entries_sampled() -> None:
+    connector = SamplesAtStepEnd()
+    scheduler = make_scheduler(connector=connector)
+    scheduler.add_request(make_request(6, max_tokens=3))
+    at_schedule = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        at_schedule.append([s.samples for s in out.scheduled])
+        scheduler.update_from_output(out, [SAMPLED_TOKEN if s else None for s in at_schedule[-1]])
+    assert at_schedule == [[True], [True], [True]]
+    assert connector.seen == at_schedule
 
 
 # -- prefix cache ----------------------------------------------------------------------------
