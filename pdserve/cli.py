@@ -16,7 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="default", help="HF directory, .gguf file, or `default`")
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"]
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)

@@ -42,7 +42,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields.
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))

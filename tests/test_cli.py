@@ -17,7 +17,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_capital_of_france() -> None:
-    result = run_cli("generate", "--temperature", "0", "--max-tokens", "12", "The capital of France is")
+    result = run_cli(
+        "generate", "--temperature", "0", "--max-tokens", "12", "The capital of France is"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is")
     assert "Paris" in result.stdout

@@ -44,7 +44,11 @@ def hf_model_from_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[
     gguf_file = GGUFModelFile(path)
     arch = gguf_file.arch()
     config = hf_config(arch)
-    cls = transformers.Qwen2ForCausalLM if arch.architecture == "qwen2" else transformers.LlamaForCausalLM
+    cls = (
+        transformers.Qwen2ForCausalLM
+        if arch.architecture == "qwen2"
+        else transformers.LlamaForCausalLM
+    )
     model = cls(config)
     state = dict(gguf_file.weights(arch))
     if arch.tie_word_embeddings:

@@ -60,14 +60,18 @@ def run_pdserve(args: argparse.Namespace, workload: Workload) -> Result:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
     llm.generate(workload.prompts[:2], params[:2])  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.num_output_tokens:
-        raise RuntimeError(f"pdserve produced {produced} tokens, expected {workload.num_output_tokens}")
+        raise RuntimeError(
+            f"pdserve produced {produced} tokens, expected {workload.num_output_tokens}"
+        )
     return _result("pdserve", seconds, workload)
 
 
@@ -120,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.model.loader import default_model_path
     from pdserve.model.gguf_file import GGUFModelFile
 
-    vocab = GGUFModelFile(default_model_path()).arch().vocab_size if args.model == "default" else 32000
+    vocab = (
+        GGUFModelFile(default_model_path()).arch().vocab_size if args.model == "default" else 32000
+    )
     workload = make_workload(args, vocab)
     results = [run_pdserve(args, workload)]
     for peer in filter(None, (args.compare or "").split(",")):

@@ -40,13 +40,15 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         cache = config.cache
         num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_memory_bytes // kv_cache_bytes_per_block(self.loaded, cache.block_size)
+            1,
+            cache.kv_cache_memory_bytes // kv_cache_bytes_per_block(self.loaded, cache.block_size),
         )
         self.max_model_len = min(self.loaded.max_model_len, num_blocks * cache.block_size)
         if self.max_model_len < self.loaded.max_model_len:
             logger.warning(
                 "max_model_len lowered to %d: the KV pool holds only %d blocks",
-                self.max_model_len, num_blocks,
+                self.max_model_len,
+                num_blocks,
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, connector)
@@ -73,7 +75,9 @@ class LLMEngine:
         now = time.monotonic()
         requests = [
             Request(
-                f"{request_id}#{i}" if params.n > 1 else request_id,
+                # Internal ids are minted here, unique for the engine's life, so a client
+                # reusing an id can never reach another request's (or held) blocks.
+                f"{request_id}#{i}.{next(self._ids)}",
                 prompt_ids,
                 _sample_params(params, i),
                 eos_token_ids=tuple(eos),
@@ -118,13 +122,17 @@ class LLMEngine:
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids", param="prompt")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: pass token ids", param="prompt"
+                )
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             vocab = self.loaded.arch.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", param="prompt")
+                raise InvalidRequestError(
+                    f"token ids must be integers in [0, {vocab})", param="prompt"
+                )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
@@ -136,7 +144,10 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt + output)",
                 param="prompt",
             )
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+        if (
+            params.max_tokens is not None
+            and len(prompt_ids) + params.max_tokens > self.max_model_len
+        ):
             raise InvalidRequestError(
                 f"max_tokens ({params.max_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds "
                 f"the context of {self.max_model_len} tokens",

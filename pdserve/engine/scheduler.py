@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_connector import KVConnector, NoKVConnector
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,9 @@ class ScheduledRequest:
     num_context_tokens: int
     """Tokens already in the cache before this step's `num_new_tokens`."""
     block_ids: tuple[int, ...]
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the request's known tokens (so it samples)?"""
-        return self.num_context_tokens + self.num_new_tokens == self.request.num_tokens
+    samples: bool
+    """This step reaches the end of the request's known tokens, so it samples a token.
+    Fixed when scheduled: the request's token count changes once the token is appended."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,11 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnector | None = None,
     ) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
+                f" must be >= max_model_len ({max_model_len}): longer prompts would never fit a step"
+            )
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -82,7 +86,7 @@ class Scheduler:
     # -- admission and abort ---------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate internal request id {request.request_id}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -159,7 +163,9 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         block_ids = self.kv.block_ids(request.request_id)
         self.connector.on_blocks_allocated(request, block_ids)
-        return ScheduledRequest(request, num_new, request.num_computed_tokens, tuple(block_ids))
+        ctx = request.num_computed_tokens
+        samples = ctx + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new, ctx, tuple(block_ids), samples)
 
     def _preempt(self, request: Request) -> None:
         logger.info("preempting %s (KV blocks exhausted)", request.request_id)

@@ -73,7 +73,9 @@ class KVCacheManager:
         self._blocks.setdefault(request_id, []).extend(new_blocks)
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> None:
         """Hash blocks that became full now that `num_computed` tokens are in the cache."""
         blocks = self._blocks.get(request_id)
         if blocks is None or not self.pool.enable_caching:

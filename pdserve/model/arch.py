@@ -50,7 +50,9 @@ class ModelArch:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         """Build from a Hugging Face `config.json` dict; unsupported models fail clearly."""
         names = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {names or cfg.get('model_type')!r}; "

@@ -62,9 +62,11 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values."""
-    blocks = cache[block_table]  # [..., nblocks, block_size, Hkv, D]
-    shape = blocks.shape
-    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    # index_select on the flattened table is several times faster than advanced indexing
+    # on this strided (block-major) view.
+    blocks = cache.index_select(0, block_table.reshape(-1))  # [n, block_size, Hkv, D]
+    bs, hkv, d = cache.shape[1:]
+    flat = blocks.reshape(*block_table.shape[:-1], block_table.shape[-1] * bs, hkv, d)
     return flat.transpose(-3, -2)
 
 

@@ -87,7 +87,9 @@ class GGUFModelFile:
                 rms_norm_eps=float(f[f"{kind}.attention.layer_norm_rms_epsilon"]),
                 rope_theta=float(f.get(f"{kind}.rope.freq_base", 10000.0)),
                 max_position_embeddings=int(f.get(f"{kind}.context_length", 4096)),
-                tie_word_embeddings=not any(t.name == "output.weight" for t in self._reader.tensors),
+                tie_word_embeddings=not any(
+                    t.name == "output.weight" for t in self._reader.tensors
+                ),
                 attention_bias=kind == "qwen2",
                 bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(
@@ -112,7 +114,9 @@ class GGUFModelFile:
             try:
                 array = self._gguf.quants.dequantize(t.data, t.tensor_type)
             except Exception as e:
-                raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from e
+                raise ModelLoadError(
+                    f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
+                ) from e
             shape = tuple(int(d) for d in reversed(t.shape))
             tensor = torch.from_numpy(np.array(array, copy=True).reshape(shape))
             if permute and name.endswith("q_proj.weight"):
@@ -145,4 +149,3 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         .reshape(out_dim, *w.shape[1:])
         .contiguous()
     )
-

@@ -101,8 +101,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     max_len = cfg.max_model_len or arch.max_position_embeddings
     model = build_model(arch, max_len, dtype, device, weights, num_tensors, seed=cfg.seed)
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s", path.name, arch.architecture,
-        arch.num_layers, dtype, device,
+        "loaded %s (%s, %d layers) as %s on %s",
+        path.name,
+        arch.architecture,
+        arch.num_layers,
+        dtype,
+        device,
     )
     return LoadedModel(model, arch, tokenizer, dtype, device, max_len)
 
@@ -134,7 +138,11 @@ def _load_weights(
 ) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    q, kv, inter = (
+        arch.num_heads * arch.head_dim,
+        arch.num_kv_heads * arch.head_dim,
+        arch.intermediate_size,
+    )
     fused = {
         "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
         "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),

@@ -35,7 +35,9 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0
+    ) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
@@ -138,4 +140,3 @@ class ModelRunner:
             )
             start += n
         return tuple(chunks)
-

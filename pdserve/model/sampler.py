@@ -33,7 +33,11 @@ def sample(
         noise = _exponential_noise(probs.shape, [requests[i] for i in random_rows], generator)
         tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
     token_list = tokens.tolist()
-    entries = [None] * len(requests) if raw_logprobs is None else _logprobs(raw_logprobs, token_list, requests)
+    entries = (
+        [None] * len(requests)
+        if raw_logprobs is None
+        else _logprobs(raw_logprobs, token_list, requests)
+    )
     return token_list, entries
 
 
@@ -56,7 +60,9 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
             seen = torch.tensor(sorted(set(r.token_ids)), device=row.device, dtype=torch.long)
             seen = seen[seen < vocab]
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if p.presence_penalty or p.frequency_penalty:
             out = torch.tensor(r.output_token_ids, device=row.device, dtype=torch.long)
             counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
@@ -120,5 +126,7 @@ def _logprobs(
         if n is None:
             out.append(None)
             continue
-        out.append(TokenLogprob(tokens[i], chosen_list[i], list(zip(ids[i][:n], vals[i][:n], strict=True))))
+        out.append(
+            TokenLogprob(tokens[i], chosen_list[i], list(zip(ids[i][:n], vals[i][:n], strict=True)))
+        )
     return out

@@ -26,7 +26,9 @@ def hf_greedy(model: Any, ids: list[int], max_new: int) -> tuple[list[int], torc
 
 
 @pytest.fixture(scope="module")
-def references(smollm2_llm: Any, smollm2_hf: Any) -> list[tuple[list[int], list[int], torch.Tensor]]:
+def references(
+    smollm2_llm: Any, smollm2_hf: Any
+) -> list[tuple[list[int], list[int], torch.Tensor]]:
     refs = []
     for text in PROMPTS:
         ids = smollm2_llm.tokenizer.encode(text)
@@ -58,7 +60,9 @@ def test_greedy_batch1_and_mixed_batch_match_hf(smollm2_llm: Any, references: An
 
 
 def test_capital_of_france(smollm2_llm: Any) -> None:
-    out = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    out = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=8)
+    )
     assert "Paris" in out[0].outputs[0].text
 
 
