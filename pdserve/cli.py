@@ -66,7 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         text = out.outputs[0].text
-        print(text if args.chat or len(prompts) == 1 and args.quiet else f"{prompt}{text}")
+        print(text if args.chat or args.quiet else f"{prompt}{text}")
     return 0
 
 

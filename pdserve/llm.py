@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,10 @@ from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_SECTIONS = {
+Prompt = str | Sequence[int]
+"""A text prompt, or token ids."""
+
+_SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -25,11 +29,19 @@ def engine_config(**kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (`block_size=8, dtype="float32"`)."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     for key, value in kwargs.items():
-        owner = next((n for n, c in _SECTIONS.items() if key in c.__dataclass_fields__), None)
+        owner = next((n for n, c in _SECTIONS.items() if key in _field_names(c)), None)
         if owner is None:
             raise TypeError(f"unknown engine option {key!r}")
         sections[owner][key] = value
-    return EngineConfig(**{n: _SECTIONS[n](**v) for n, v in sections.items()})  # type: ignore[arg-type]
+    return EngineConfig(
+        model=ModelConfig(**sections["model"]),
+        cache=CacheConfig(**sections["cache"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+    )
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 class LLM:
@@ -42,14 +54,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = _broadcast(params or SamplingParams(), len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        params_list = _broadcast(params or SamplingParams(), len(batch))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params_list, strict=True)]
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

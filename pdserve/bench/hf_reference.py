@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.gguf_file import GGUFModelFile
+from pdserve.model.gguf_file import open_gguf
 
 
 def hf_config(arch: ModelArch) -> Any:
     import transformers
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,
@@ -41,7 +41,7 @@ def hf_model_from_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[
     """A transformers CausalLM with the GGUF file's (dequantized, un-permuted) weights."""
     import transformers
 
-    gguf_file = GGUFModelFile(path)
+    gguf_file = open_gguf(path)
     arch = gguf_file.arch()
     config = hf_config(arch)
     cls = (
@@ -49,7 +49,7 @@ def hf_model_from_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[
         if arch.architecture == "qwen2"
         else transformers.LlamaForCausalLM
     )
-    model = cls(config)
+    model: Any = cls(config)
     state = dict(gguf_file.weights(arch))
     if arch.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -61,4 +61,4 @@ def save_hf_dir(path: Path, gguf_path: Path, dtype: torch.dtype = torch.float32)
     """Export a GGUF model as a Hugging Face directory (config, safetensors, tokenizer)."""
     model, _ = hf_model_from_gguf(gguf_path, dtype)
     model.save_pretrained(str(path))
-    GGUFModelFile(gguf_path).tokenizer().save_hf(path)
+    open_gguf(gguf_path).tokenizer().save_hf(path)

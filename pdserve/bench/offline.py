@@ -121,11 +121,11 @@ def _result(system: str, seconds: float, w: Workload) -> Result:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    from pdserve.model.gguf_file import open_gguf
     from pdserve.model.loader import default_model_path
-    from pdserve.model.gguf_file import GGUFModelFile
 
     vocab = (
-        GGUFModelFile(default_model_path()).arch().vocab_size if args.model == "default" else 32000
+        open_gguf(default_model_path()).arch().vocab_size if args.model == "default" else 32000
     )
     workload = make_workload(args, vocab)
     results = [run_pdserve(args, workload)]
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, w: Workload, results: list[Result]) -> None:
     print(
         f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt + "
-        f"{w.num_output_tokens} output tokens, dtype {args.dtype}, {torch.get_num_threads()} threads"
+        f"{w.num_output_tokens} output tokens, dtype {args.dtype}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"{'system':<18}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>14}{'ratio':>8}")
     base = results[0]

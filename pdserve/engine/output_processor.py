@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.outputs import CompletionOutput, RequestOutput
 
@@ -45,7 +45,7 @@ class OutputProcessor:
             detok = None
             if self._tok is not None:
                 detok = IncrementalDetokenizer(self._tok, group.prompt_token_ids, r.params)
-            logprobs = [] if r.params.logprobs is not None else None
+            logprobs: list[TokenLogprob] | None = [] if r.params.logprobs is not None else None
             group.samples[r.request_id] = _Sample(CompletionOutput(i, logprobs=logprobs), detok)
             self._group_of[r.request_id] = group
         self._groups[request_id] = group

@@ -69,8 +69,9 @@ class Scheduler:
     ) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
-                f" must be >= max_model_len ({max_model_len}): longer prompts would never fit a step"
+                "without chunked prefill, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}): "
+                "longer prompts would never fit a step"
             )
         self.config = config
         self.kv = kv

@@ -48,6 +48,10 @@ class AttentionMetadata:
     """[num_decode, max_blocks] int64, padded with block 0 (masked out)."""
     decode_mask: torch.Tensor
     """[num_decode, 1, 1, max_blocks * block_size] bool: True where a key is attended."""
+    decode_kv_buffer: torch.Tensor | None
+    """[2, num_decode * max_blocks, block_size, Hkv, D] scratch for the gathered K and V,
+    shared by all layers: allocating ~tens of MB per layer per step costs more than the
+    copy itself on CPU (fresh pages fault in)."""
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -60,11 +64,22 @@ def write_kv(
     kv_layer[:, 1].index_put_(index, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values."""
-    # index_select on the flattened table is several times faster than advanced indexing
-    # on this strided (block-major) view.
-    blocks = cache.index_select(0, block_table.reshape(-1))  # [n, block_size, Hkv, D]
+def _gather(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    buffer: torch.Tensor | None = None,
+    index: int = 0,
+) -> torch.Tensor:
+    """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values.
+
+    Writes into `buffer[index]` when given. index_select on the flattened table is several
+    times faster than advanced indexing on this strided (block-major) view.
+    """
+    flat_table = block_table.reshape(-1)
+    if buffer is None:
+        blocks = cache.index_select(0, flat_table)  # [n, block_size, Hkv, D]
+    else:
+        blocks = torch.index_select(cache, 0, flat_table, out=buffer[index])
     bs, hkv, d = cache.shape[1:]
     flat = blocks.reshape(*block_table.shape[:-1], block_table.shape[-1] * bs, hkv, d)
     return flat.transpose(-3, -2)
@@ -88,8 +103,8 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        kd = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
-        vd = _gather(v_cache, meta.decode_block_tables)
+        kd = _gather(k_cache, meta.decode_block_tables, meta.decode_kv_buffer, 0)
+        vd = _gather(v_cache, meta.decode_block_tables, meta.decode_kv_buffer, 1)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )

@@ -8,9 +8,9 @@ Without that step the model runs but its output is garbage.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -149,3 +149,19 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         .reshape(out_dim, *w.shape[1:])
         .contiguous()
     )
+
+
+@functools.cache
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFModelFile:
+    return GGUFModelFile(path)
+
+
+def open_gguf(path: Path) -> GGUFModelFile:
+    """Open a GGUF file once per process: parsing its metadata (the 49k-token vocabulary)
+    takes seconds, and tests and benchmarks open the same file many times."""
+    path = path.resolve()
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot open {path}: {e}") from e
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)

@@ -55,6 +55,9 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
 class Rotary(nn.Module):
     """Rotate-half rotary embedding with a precomputed cos/sin table."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
         self.arch, self.max_positions = arch, max_positions
@@ -71,7 +74,9 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for the step's positions, [T, 1, D]; gathered once per step."""
         return (
             self.cos[positions].unsqueeze(1).to(dtype),

@@ -91,9 +91,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         weights = _safetensors_weights(path) if cfg.load_format != "dummy" else None
         num_tensors = None
     else:
-        from pdserve.model.gguf_file import GGUFModelFile
+        from pdserve.model.gguf_file import open_gguf
 
-        gguf_file = GGUFModelFile(path)
+        gguf_file = open_gguf(path)
         arch = gguf_file.arch()
         tokenizer = gguf_file.tokenizer()
         weights = gguf_file.weights(arch) if cfg.load_format != "dummy" else None
@@ -144,8 +144,11 @@ def _load_weights(
         arch.intermediate_size,
     )
     fused = {
-        "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-        "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, kv),
+        "v_proj": ("qkv_proj", q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, inter),
     }  # fmt: skip
     # Fused parameters are complete only when each of their parts arrived.
     parts_of = {"qkv_proj": 3, "gate_up_proj": 2}
@@ -167,7 +170,8 @@ def _load_weights(
         target = param.data[target_slice]
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(
-                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
             )
         target.copy_(tensor)
         loaded.setdefault(name, set()).add(target_slice.start or 0)
@@ -179,13 +183,14 @@ def _load_weights(
 
 
 def _init_dummy(model: LlamaModel, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights drawn on the model's device (an 8B model on a GPU in seconds)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
-            param.data.copy_(values)
+            param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _read_config(path: Path) -> dict:

@@ -33,11 +33,9 @@ def sample(
         noise = _exponential_noise(probs.shape, [requests[i] for i in random_rows], generator)
         tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
     token_list = tokens.tolist()
-    entries = (
-        [None] * len(requests)
-        if raw_logprobs is None
-        else _logprobs(raw_logprobs, token_list, requests)
-    )
+    entries: list[TokenLogprob | None] = [None] * len(requests)
+    if raw_logprobs is not None:
+        entries = _logprobs(raw_logprobs, token_list, requests)
     return token_list, entries
 
 

@@ -58,7 +58,7 @@ def test_logprobs_close_to_hf_bf16(arch: str, tiny_model_dir: Any) -> None:
     ref = hf_model(path)  # fp32 reference: bf16 error is measured against the truth
     llm = LLM(str(path), dtype="bfloat16", num_blocks=64)
     prompt = prompts(1, seed=2)[0]
-    tokens, logits = hf_greedy(ref, prompt, 1)
+    _, logits = hf_greedy(ref, prompt, 1)
     entry = (llm.generate([prompt], GREEDY)[0].outputs[0].logprobs or [])[0]
     ids = [t for t, _ in entry.top]
     ours = torch.tensor([v for _, v in entry.top])
