@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.model.gguf_file import open_gguf
     from pdserve.model.loader import default_model_path
 
-    vocab = (
-        open_gguf(default_model_path()).arch().vocab_size if args.model == "default" else 32000
-    )
+    vocab = open_gguf(default_model_path()).arch().vocab_size if args.model == "default" else 32000
     workload = make_workload(args, vocab)
     results = [run_pdserve(args, workload)]
     for peer in filter(None, (args.compare or "").split(",")):

@@ -11,7 +11,8 @@ A step's tokens are flattened into one batch, decoding requests first, then pref
               one token each      context c0 before it  context c1 before it
 
 Each layer first writes the new K/V at the token's slot (block id, offset), then attends:
-- decode tokens in one batched SDPA call over K/V gathered through padded block tables;
+- decode tokens in a few batched SDPA calls (one per group of similar context length)
+  over K/V gathered through padded block tables;
 - each prefill chunk with its own call: plain causal attention when it has no earlier
   context, else over the gathered context with a bottom-right causal mask.
 """
@@ -38,19 +39,32 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode tokens of similar context length, attended in one padded SDPA call.
+
+    Grouping by length bounds the padding: one group for 10- and 1000-token contexts
+    would gather and attend 1000 keys for both.
+    """
+
+    indices: torch.Tensor | None
+    """Positions among the step's decode tokens; None means all of them, in order."""
+    block_tables: torch.Tensor
+    """[n, max_blocks] int64, padded with block 0 (masked out)."""
+    mask: torch.Tensor
+    """[n, 1, 1, max_blocks * block_size] additive mask (0 or -inf) in the model dtype."""
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     num_decode_tokens: int
     slot_block_ids: torch.Tensor
     """[num_tokens] block id of each new token's KV slot."""
     slot_offsets: torch.Tensor
     """[num_tokens] offset of that slot inside its block."""
-    decode_block_tables: torch.Tensor
-    """[num_decode, max_blocks] int64, padded with block 0 (masked out)."""
-    decode_mask: torch.Tensor
-    """[num_decode, 1, 1, max_blocks * block_size] bool: True where a key is attended."""
+    decode_groups: tuple[DecodeGroup, ...]
     decode_kv_buffer: torch.Tensor | None
-    """[2, num_decode * max_blocks, block_size, Hkv, D] scratch for the gathered K and V,
-    shared by all layers: allocating ~tens of MB per layer per step costs more than the
+    """[2, blocks, block_size, Hkv, D] scratch for one group's gathered K and V, shared by
+    all groups and layers: allocating tens of MB per layer per step costs more than the
     copy itself on CPU (fresh pages fault in)."""
     prefills: tuple[PrefillChunk, ...]
 
@@ -79,7 +93,8 @@ def _gather(
     if buffer is None:
         blocks = cache.index_select(0, flat_table)  # [n, block_size, Hkv, D]
     else:
-        blocks = torch.index_select(cache, 0, flat_table, out=buffer[index])
+        out = buffer[index, : flat_table.numel()]
+        blocks = torch.index_select(cache, 0, flat_table, out=out)
     bs, hkv, d = cache.shape[1:]
     flat = blocks.reshape(*block_table.shape[:-1], block_table.shape[-1] * bs, hkv, d)
     return flat.transpose(-3, -2)
@@ -101,14 +116,17 @@ def paged_attention(
     k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        kd = _gather(k_cache, meta.decode_block_tables, meta.decode_kv_buffer, 0)
-        vd = _gather(v_cache, meta.decode_block_tables, meta.decode_kv_buffer, 1)
+    for group in meta.decode_groups:
+        qd = q[:nd] if group.indices is None else q.index_select(0, group.indices)
+        kd = _gather(k_cache, group.block_tables, meta.decode_kv_buffer, 0)  # [n, Hkv, L, D]
+        vd = _gather(v_cache, group.block_tables, meta.decode_kv_buffer, 1)
         od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+            qd.unsqueeze(2), kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+        if group.indices is None:
+            out[:nd] = od
+        else:
+            out.index_copy_(0, group.indices, od)
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
         qc = q[s : s + n].transpose(0, 1)  # [H, n, D]

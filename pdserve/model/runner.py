@@ -17,11 +17,18 @@ import torch
 
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.model.attention import AttentionMetadata, PrefillChunk, causal_mask_with_context
+from pdserve.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    causal_mask_with_context,
+)
 from pdserve.model.loader import LoadedModel
 from pdserve.model.sampler import sample
 
 logger = logging.getLogger(__name__)
+
+MAX_DECODE_GROUPS = 4
 
 
 @dataclass(frozen=True)
@@ -117,14 +124,13 @@ class ModelRunner:
         )
         dev = self.device
         nd = output.num_decodes
-        decode_tables, decode_mask = self._decode_tables(output.scheduled[:nd], block_tables[:nd])
-        num_gathered = decode_tables.numel() if nd else 0
+        groups = self._decode_groups(output.scheduled[:nd], block_tables[:nd])
+        num_gathered = max((g.block_tables.numel() for g in groups), default=0)
         meta = AttentionMetadata(
             num_decode_tokens=nd,
             slot_block_ids=torch.from_numpy(slot_blocks).to(dev),
             slot_offsets=torch.from_numpy(pos % bs).to(dev),
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             decode_kv_buffer=self._scratch(num_gathered) if num_gathered else None,
             prefills=self._prefill_chunks(output.scheduled[nd:], block_tables[nd:], nd),
         )
@@ -135,22 +141,45 @@ class ModelRunner:
             torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )
 
-    def _decode_tables(
+    def _decode_groups(
         self, entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[DecodeGroup, ...]:
+        """Split decodes into groups whose block counts are within 2x of the group's longest
+        (at most MAX_DECODE_GROUPS), so padding never more than doubles the attended keys."""
         if not entries:
-            empty = torch.zeros((0, 1), dtype=torch.long, device=self.device)
-            return empty, torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=self.device)
-        max_blocks = max(len(t) for t in tables)
-        padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = t
-        seq_lens = np.array([s.num_context_tokens + 1 for s in entries], dtype=np.int64)
+            return ()
+        num_blocks = [len(t) for t in tables]
+        order = sorted(range(len(entries)), key=lambda i: -num_blocks[i])
+        groups: list[list[int]] = [[order[0]]]
+        for i in order[1:]:
+            longest = num_blocks[groups[-1][0]]
+            if 2 * num_blocks[i] <= longest and len(groups) < MAX_DECODE_GROUPS:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+        if len(groups) == 1:
+            return (self._decode_group(None, entries, tables),)
+        return tuple(self._decode_group(sorted(g), entries, tables) for g in groups)
+
+    def _decode_group(
+        self,
+        members: list[int] | None,
+        entries: tuple[ScheduledRequest, ...],
+        tables: list[np.ndarray],
+    ) -> DecodeGroup:
+        rows = members if members is not None else list(range(len(entries)))
+        max_blocks = max(len(tables[i]) for i in rows)
+        padded = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        for r, i in enumerate(rows):
+            padded[r, : len(tables[i])] = tables[i]
+        seq_lens = np.array([entries[i].num_context_tokens + 1 for i in rows], dtype=np.int64)
         keys = np.arange(max_blocks * self.block_size, dtype=np.int64)
-        mask = keys[None, :] < seq_lens[:, None]
-        return (
-            torch.from_numpy(padded).to(self.device),
-            torch.from_numpy(mask).to(self.device)[:, None, None, :],
+        mask = np.where(keys[None, :] < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
+        dev = self.device
+        return DecodeGroup(
+            indices=None if members is None else torch.tensor(members, device=dev),
+            block_tables=torch.from_numpy(padded).to(dev),
+            mask=torch.from_numpy(mask).to(dev, self.kv_cache.dtype)[:, None, None, :],
         )
 
     def _prefill_chunks(
