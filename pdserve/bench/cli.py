@@ -20,6 +20,7 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument("--hf-batch-size", type=int, default=32)
     off.add_argument("--compare", default="", help="comma-separated peers: hf")
     off.add_argument("--threads", type=int, default=None)
+    off.add_argument("--repeat", type=int, default=3, help="alternating runs per system")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--json", action="store_true", help="also print results as JSON")
     off.set_defaults(func=_offline)

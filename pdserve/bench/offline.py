@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -56,26 +58,34 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     return Workload(args.workload, prompts, out_lens)
 
 
-def run_pdserve(args: argparse.Namespace, workload: Workload) -> Result:
+class Runner(Protocol):
+    name: str
+
+    def __call__(self, workload: Workload) -> None: ...
+
+
+def pdserve_runner(args: argparse.Namespace) -> Runner:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
-    ]
-    llm.generate(workload.prompts[:2], params[:2])  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    if produced != workload.num_output_tokens:
-        raise RuntimeError(
-            f"pdserve produced {produced} tokens, expected {workload.num_output_tokens}"
-        )
-    return _result("pdserve", seconds, workload)
+
+    def run(workload: Workload) -> None:
+        params = [
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            for n in workload.output_lens
+        ]
+        outputs = llm.generate(workload.prompts, params)
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if produced != workload.num_output_tokens:
+            raise RuntimeError(
+                f"pdserve produced {produced} tokens, not {workload.num_output_tokens}"
+            )
+
+    run.name = "pdserve"  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
 
 
-def run_hf(args: argparse.Namespace, workload: Workload) -> Result:
+def hf_runner(args: argparse.Namespace) -> Runner:
     from pdserve.bench.hf_reference import hf_model_from_gguf
     from pdserve.model.loader import default_model_path
 
@@ -84,12 +94,15 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> Result:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     model, arch = hf_model_from_gguf(default_model_path(), dtype)
     pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0
-    _hf_batch(model, workload.prompts[:2], 4, pad)  # warm-up
-    start = time.perf_counter()
-    for i in range(0, len(workload.prompts), args.hf_batch_size):
-        batch = workload.prompts[i : i + args.hf_batch_size]
-        _hf_batch(model, batch, max(workload.output_lens[i : i + args.hf_batch_size]), pad)
-    return _result("hf-transformers", time.perf_counter() - start, workload)
+    size = args.hf_batch_size
+
+    def run(workload: Workload) -> None:
+        for i in range(0, len(workload.prompts), size):
+            out_len = max(workload.output_lens[i : i + size])
+            _hf_batch(model, workload.prompts[i : i + size], out_len, pad)
+
+    run.name = "hf-transformers"  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
 
 
 def _hf_batch(model: object, prompts: list[list[int]], max_new: int, pad_id: int) -> None:
@@ -126,16 +139,33 @@ def run(args: argparse.Namespace) -> int:
 
     vocab = open_gguf(default_model_path()).arch().vocab_size if args.model == "default" else 32000
     workload = make_workload(args, vocab)
-    results = [run_pdserve(args, workload)]
+    warmup = Workload("warm-up", workload.prompts[:2], [4, 4])
+    runners = [pdserve_runner(args)]
     for peer in filter(None, (args.compare or "").split(",")):
         if peer != "hf":
             raise SystemExit(f"unknown --compare peer {peer!r} (supported: hf)")
-        results.append(run_hf(args, workload))
-    _report(args, workload, results)
+        runners.append(hf_runner(args))
+    for runner in runners:
+        runner(warmup)
+    # Alternate the systems and keep each one's median: the shared machines are noisy, and
+    # alternating spreads slow phases over both sides instead of penalising one.
+    seconds: dict[str, list[float]] = {r.name: [] for r in runners}
+    for _ in range(args.repeat):
+        for runner in runners:
+            start = time.perf_counter()
+            runner(workload)
+            seconds[runner.name].append(time.perf_counter() - start)
+    results = [_result(name, statistics.median(ts), workload) for name, ts in seconds.items()]
+    _report(args, workload, results, seconds)
     return 0
 
 
-def _report(args: argparse.Namespace, w: Workload, results: list[Result]) -> None:
+def _report(
+    args: argparse.Namespace,
+    w: Workload,
+    results: list[Result],
+    seconds: dict[str, list[float]],
+) -> None:
     print(
         f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt + "
         f"{w.num_output_tokens} output tokens, dtype {args.dtype}, "
@@ -149,6 +179,8 @@ def _report(args: argparse.Namespace, w: Workload, results: list[Result]) -> Non
             f"{r.system:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}"
             f"{r.total_tokens_per_s:>14.1f}{ratio:>7.2f}x"
         )
-    print("ratio = pdserve throughput / that system's throughput")
+    print("ratio = pdserve throughput / that system's throughput (medians)")
+    for name, ts in seconds.items():
+        print(f"  {name} runs (s): " + ", ".join(f"{t:.2f}" for t in ts))
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
