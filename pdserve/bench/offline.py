@@ -105,6 +105,9 @@ def hf_runner(args: argparse.Namespace) -> Runner:
     return run  # type: ignore[return-value]
 
 
+PEERS = {"hf": hf_runner}
+
+
 def _hf_batch(model: object, prompts: list[list[int]], max_new: int, pad_id: int) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -134,17 +137,15 @@ def _result(system: str, seconds: float, w: Workload) -> Result:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    from pdserve.model.gguf_file import open_gguf
-    from pdserve.model.loader import default_model_path
+    from pdserve.model.loader import read_arch
 
-    vocab = open_gguf(default_model_path()).arch().vocab_size if args.model == "default" else 32000
-    workload = make_workload(args, vocab)
-    warmup = Workload("warm-up", workload.prompts[:2], [4, 4])
-    runners = [pdserve_runner(args)]
-    for peer in filter(None, (args.compare or "").split(",")):
-        if peer != "hf":
-            raise SystemExit(f"unknown --compare peer {peer!r} (supported: hf)")
-        runners.append(hf_runner(args))
+    workload = make_workload(args, read_arch(args.model).vocab_size)
+    peers = [p for p in (args.compare or "").split(",") if p]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown --compare peer {unknown[0]!r} (supported: {', '.join(PEERS)})")
+    warmup = Workload("warm-up", workload.prompts[:2], [4, 4][: len(workload.prompts)])
+    runners = [pdserve_runner(args)] + [PEERS[p](args) for p in peers]
     for runner in runners:
         runner(warmup)
     # Alternate the systems and keep each one's median: the shared machines are noisy, and

@@ -142,9 +142,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = []
-            if request.num_computed_tokens == 0:
-                cached = self.kv.find_cached_prefix(request.token_ids)
+            cached = self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:

@@ -78,12 +78,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    path = default_model_path() if cfg.model == "default" else Path(cfg.model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model {cfg.model!r} not found: pass a local Hugging Face directory, a .gguf file, "
-            "or `default` (pdserve never downloads models)"
-        )
+    path = resolve_model_path(cfg.model)
+    expected = {"gguf": False, "safetensors": True}.get(cfg.load_format)
+    if expected is not None and path.is_dir() != expected:
+        kind = "a Hugging Face directory" if expected else "a .gguf file"
+        raise ModelLoadError(f"load_format {cfg.load_format} needs {kind}, got {path}")
     weights: Iterator[tuple[str, torch.Tensor]] | None
     if path.is_dir():
         arch = ModelArch.from_hf_config(_read_config(path))
@@ -109,6 +108,27 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         device,
     )
     return LoadedModel(model, arch, tokenizer, dtype, device, max_len)
+
+
+def resolve_model_path(model: str) -> Path:
+    """`default`, a directory or a file -> an existing path; never a download."""
+    path = default_model_path() if model == "default" else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {model!r} not found: pass a local Hugging Face directory, a .gguf file, "
+            "or `default` (pdserve never downloads models)"
+        )
+    return path
+
+
+def read_arch(model: str) -> ModelArch:
+    """The model's shape without loading its weights."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return ModelArch.from_hf_config(_read_config(path))
+    from pdserve.model.gguf_file import open_gguf
+
+    return open_gguf(path).arch()
 
 
 def build_model(
