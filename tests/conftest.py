@@ -49,6 +49,17 @@ def save_tiny_hf_model(path: Path, arch: str, seed: int = 0) -> Path:
     return path
 
 
+def hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """HF transformers' greedy continuation (ignoring EOS) and its raw logits [max_new, V]."""
+    eos = model.config.eos_token_id
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+        do_sample=False, output_logits=True, return_dict_in_generate=True,
+        pad_token_id=(eos[0] if isinstance(eos, list) else eos) or 0,
+    )  # fmt: skip
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     made: dict[str, Path] = {}

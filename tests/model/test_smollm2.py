@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
+from tests.conftest import hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -15,14 +16,6 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "The three primary colors are",
 ]
-
-
-def hf_greedy(model: Any, ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=2,
-    )  # fmt: skip
-    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,13 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.conftest import TINY_ARCHS
+from tests.conftest import TINY_ARCHS, hf_greedy
 
 
 def hf_model(path: Any, dtype: torch.dtype = torch.float32) -> Any:
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-
-
-def hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
-    """HF greedy continuation (ignoring EOS) and its per-step raw logits [max_new, V]."""
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-    )  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.cat(out.logits).float()
 
 
 def prompts(n: int, seed: int = 0, low: int = 5, high: int = 300) -> list[list[int]]:
