@@ -70,6 +70,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.api.server import run_server
+    from pdserve.engine.async_client import AsyncEngineClient
+    from pdserve.llm import engine_config
+
+    config = engine_config(model=args.model, **engine_options(args))
+    client = AsyncEngineClient(config)
+    api_key = args.api_key or envs.api_key()
+    name = args.served_model_name or args.model
+    asyncio.run(run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="print only the completion")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API on one node")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="model id in the API")
+    srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
 
     from pdserve.bench.cli import add_bench_parser
 

@@ -13,3 +13,8 @@ def log_level() -> str:
 def force_hub_offline() -> None:
     """pdserve never downloads models: make sure HF libraries it touches cannot either."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: bearer key the server requires (the --api-key flag wins)."""
+    return os.environ.get("PDSERVE_API_KEY") or None

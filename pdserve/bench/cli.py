@@ -25,8 +25,29 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument("--json", action="store_true", help="also print results as JSON")
     off.set_defaults(func=_offline)
 
+    srv = bench_sub.add_parser("serve", help="online load on an OpenAI-compatible server")
+    srv.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    srv.add_argument("--model", default=None, help="default: first id of GET /v1/models")
+    srv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    srv.add_argument("--concurrency", type=int, required=True, help="requests in flight")
+    srv.add_argument("--num-prompts", type=int, required=True)
+    srv.add_argument("--input-len", type=int, required=True, help="prompt tokens")
+    srv.add_argument("--output-len", type=int, required=True, help="max_tokens (ignore_eos)")
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--timeout-s", type=float, default=600.0, help="per connect/read")
+    srv.add_argument("--json", action="store_true", help="also print results as JSON")
+    srv.set_defaults(func=_serve)
+
 
 def _offline(args: argparse.Namespace) -> int:
     from pdserve.bench.offline import run
+
+    return run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import run
 
     return run(args)

@@ -50,6 +50,10 @@ class OutputProcessor:
             self._group_of[r.request_id] = group
         self._groups[request_id] = group
 
+    def request_ids(self) -> list[str]:
+        """Ids of the user requests still in flight."""
+        return list(self._groups)
+
     def engine_ids(self, request_id: str) -> list[str]:
         group = self._groups.get(request_id)
         return list(group.samples) if group else []
@@ -77,7 +81,12 @@ class OutputProcessor:
         out.token_ids.extend(new_ids)
         out.delta_token_ids.extend(new_ids)
         if out.logprobs is not None:
-            out.logprobs.extend(r.logprobs[len(out.logprobs) :])
+            new_entries = r.logprobs[len(out.logprobs) :]
+            if self._tok is not None:
+                for entry in new_entries:
+                    for token_id in (entry.token_id, *(t for t, _ in entry.top)):
+                        entry.decoded[token_id] = self._tok.token_text(token_id)
+            out.logprobs.extend(new_entries)
         stopped = False
         if sample.detokenizer is not None:
             for t in new_ids:

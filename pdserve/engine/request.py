@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     """The `logprobs` most likely (token id, logprob) pairs at this position."""
+    decoded: dict[int, str] = field(default_factory=dict)
+    """Text of the chosen and top tokens, filled in by the output processor."""
 
 
 class Request:

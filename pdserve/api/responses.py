@@ -1,0 +1,135 @@
+"""Build OpenAI response bodies (full and streamed) from engine outputs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.request import TokenLogprob
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ChoiceBuilder:
+    request_id: str
+    params: SamplingParams
+    chat: bool
+    model: str
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    _roles_sent: set[int] = field(default_factory=set)
+    _last: RequestOutput | None = None
+
+    @classmethod
+    def for_request(cls, body: Any, chat: bool, model: str) -> ChoiceBuilder:
+        if chat:
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            logprobs = body.logprobs
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            params=body.sampling_params(max_tokens, logprobs),
+            chat=chat,
+            model=model,
+            include_usage=body.include_usage,
+        )
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = f"{self._object}.chunk" if chunk and self.chat else self._object
+        return {
+            "id": self.request_id, "object": kind, "created": self.created,
+            "model": self.model, "choices": choices,
+        }  # fmt: skip
+
+    def usage(self, output: RequestOutput) -> dict[str, Any]:
+        prompt = len(output.prompt_token_ids)
+        completion = sum(len(c.token_ids) for c in output.outputs)
+        return {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        }  # fmt: skip
+
+    def full_response(self, output: RequestOutput) -> dict[str, Any]:
+        choices = [self._full_choice(c) for c in output.outputs]
+        return {**self._envelope(choices, chunk=False), "usage": self.usage(output)}
+
+    def _full_choice(self, c: CompletionOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = _chat_logprobs(c.logprobs)
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = _completion_logprobs(c.logprobs)
+            choice["stop_reason"] = c.stop_reason
+        return choice
+
+    def stream_chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """Chunks for what changed in this output (one per choice with news)."""
+        self._last = output
+        chunks = []
+        for c in output.outputs:
+            if not (c.delta_text or c.finished or (self.chat and c.index not in self._roles_sent)):
+                continue
+            choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
+            new_logprobs = (
+                c.logprobs[-len(c.delta_token_ids) :] if c.logprobs and c.delta_token_ids else None
+            )
+            if self.chat:
+                delta: dict[str, Any] = {"content": c.delta_text}
+                if c.index not in self._roles_sent:
+                    delta["role"] = "assistant"
+                    self._roles_sent.add(c.index)
+                choice["delta"] = delta
+                choice["logprobs"] = _chat_logprobs(new_logprobs)
+            else:
+                choice["text"] = c.delta_text
+                choice["logprobs"] = _completion_logprobs(new_logprobs)
+            chunks.append(self._envelope([choice], chunk=True))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.include_usage or self._last is None:
+            return None
+        return {**self._envelope([], chunk=True), "usage": self.usage(self._last)}
+
+
+def _reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason if c.finish_reason in (None, "stop", "length") else "stop"
+
+
+def _completion_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {
+        "tokens": [e.decoded.get(e.token_id, "") for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{e.decoded.get(t, ""): lp for t, lp in e.top} for e in entries],
+    }
+
+
+def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+
+    def item(token_id: int, logprob: float, e: TokenLogprob) -> dict[str, Any]:
+        text = e.decoded.get(token_id, "")
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob, e), "top_logprobs": [item(t, lp, e) for t, lp in e.top]}
+            for e in entries
+        ]
+    }

@@ -1,0 +1,183 @@
+"""The API process's handle on the engine process.
+
+`AsyncEngineClient.start()` spawns the engine process and waits for `Ready`. Each
+`generate()` call sends an `AddRequest` and yields that request's `RequestOutput`s from a
+queue that a single reader task fills from the engine's output socket. Leaving the
+iterator early (client gone, error, cancellation) aborts the request in the engine, so
+its KV blocks are freed within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    EngineStats,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepOutputs,
+)
+from pdserve.engine.core_process import run_engine_process
+from pdserve.errors import PdserveError
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(PdserveError):
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class RequestFailed(PdserveError):
+    """The engine refused a request (carries the engine's status and error type)."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message, param=error.param)
+        self.http_status = error.status
+        self.error_type = error.error_type
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_name = config.model.model
+        self.max_model_len = 0
+        self.stats = EngineStats()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | RequestError]] = {}
+        self._dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._process: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self.dead = False
+
+    async def start(self) -> None:
+        input_addr = f"ipc://{self._dir}/input"
+        output_addr = f"ipc://{self._dir}/output"
+        self._to_engine.bind(input_addr)
+        self._from_engine.bind(output_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine_process,
+            args=(self.config, input_addr, output_addr),
+            name="pdserve-engine",
+            daemon=True,
+        )
+        self._process.start()
+        ready = await self._wait_ready()
+        self.model_name, self.max_model_len, self.stats = (
+            ready.model_name,
+            ready.max_model_len,
+            ready.stats,
+        )
+        self._reader = asyncio.create_task(self._read_outputs())
+
+    async def _wait_ready(self) -> Ready:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while loop.time() < deadline:
+            if await self._from_engine.poll(500):
+                message = pickle.loads(await self._from_engine.recv())
+                if isinstance(message, Ready):
+                    return message
+            if not self._process.is_alive():
+                raise EngineDeadError(f"engine process exited ({self._process.exitcode})")
+        raise EngineDeadError("engine process did not become ready in time")
+
+    async def _read_outputs(self) -> None:
+        while True:
+            if not await self._from_engine.poll(1000):
+                if not self._process.is_alive():
+                    self._fail_all("engine process died")
+                    return
+                continue
+            message: StepOutputs = pickle.loads(await self._from_engine.recv())
+            self.stats = message.stats
+            for error in message.errors:
+                self._deliver(error.request_id, error)
+            for output in message.outputs:
+                self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | RequestError) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = True
+        for request_id in list(self._queues):
+            self._deliver(request_id, RequestError(request_id, 503, reason, "service_unavailable"))
+
+    async def generate(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; abort it if the caller stops early."""
+        if self.dead:
+            raise EngineDeadError("the engine process is not running")
+        queue: asyncio.Queue[RequestOutput | RequestError] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._send(AddRequest(request_id, params, prompt, messages))
+            while True:
+                item = await queue.get()
+                if isinstance(item, RequestError):
+                    finished = True
+                    raise RequestFailed(item)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            del self._queues[request_id]
+            if not finished:
+                await self.abort([request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if not self.dead:
+            await self._send(AbortRequests(tuple(request_ids)))
+
+    async def _send(self, message: object) -> None:
+        await self._to_engine.send(pickle.dumps(message))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(Shutdown())
+            await asyncio.to_thread(self._process.join, timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+        if self._reader is not None:
+            self._reader.cancel()
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        for name in ("input", "output"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)

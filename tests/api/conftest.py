@@ -1,0 +1,77 @@
+"""A real `pdserve serve` process on loopback, shared by the API tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def kv(self) -> dict[str, int]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        return httpx.get(f"{self.url}/admin/kv", headers=headers, timeout=5).json()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(*extra: str) -> Server:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen([*cmd, *extra], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return Server(url, process)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def stop_server(server: Server, timeout_s: float = 60) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+    return server.process.returncode
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    """SmolLM2 in fp32 (to match the offline fixture), with an API key."""
+    s = start_server(
+        "--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048",
+        "--api-key", API_KEY,
+    )  # fmt: skip
+    try:
+        yield s
+    finally:
+        assert stop_server(s) == 0

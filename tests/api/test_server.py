@@ -1,0 +1,190 @@
+"""The OpenAI API of one node, driven with the official `openai` client over loopback."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pdserve import SamplingParams
+from tests.api.conftest import API_KEY, Server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["default"]
+
+
+def test_completion_greedy_equals_offline_engine(client: openai.OpenAI, smollm2_llm: Any) -> None:
+    prompt = "The capital of France is"
+    got = client.completions.create(model="default", prompt=prompt, max_tokens=16, temperature=0)
+    offline = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    assert got.choices[0].text == offline[0].outputs[0].text
+    assert got.usage is not None and got.usage.prompt_tokens == len(offline[0].prompt_token_ids)
+    assert got.usage.completion_tokens == len(offline[0].outputs[0].token_ids)
+
+
+def test_chat_stream_with_usage_in_final_chunk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens >= 1
+    whole = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0,
+    )  # fmt: skip
+    assert whole.choices[0].message.content == text
+
+
+def test_n2_and_seeded_sampling_reproducible(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="default", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=2
+    )
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # each sample has its own seed
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    full = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=16, temperature=0
+    ).choices[0]
+    assert "." in full.text
+    stopped = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=16, temperature=0, stop=["."]
+    ).choices[0]
+    assert stopped.text == full.text.split(".")[0]
+    assert stopped.finish_reason == "stop"
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    got = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    ).choices[0]
+    assert got.logprobs is not None and len(got.logprobs.token_logprobs or []) == 3
+    assert "".join(got.logprobs.tokens or []) == got.text
+    assert all(len(top) == 2 for top in got.logprobs.top_logprobs or [])
+
+
+def _post(server: Server, path: str, body: Any, key: str | None = API_KEY, **kw: Any) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=30, **kw)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30, **kw)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (COMPLETIONS, b"{not json", 400, None),
+        (COMPLETIONS, b"[1, 2]", 400, None),
+        (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
+        (COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi " * 3000}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "model": "gpt-9"}, 404, None),
+        (CHAT, {"messages": []}, 400, "messages"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p"),
+        (CHAT, {"messages": HELLO, "stream": True, "max_tokens": 10**6}, 400, "max_tokens"),
+    ],
+)
+def test_bad_input_is_a_4xx_in_openai_schema(
+    server: Server, path: str, body: Any, status: int, param: str | None
+) -> None:
+    _assert_error(_post(server, path, body), status, param)
+
+
+def test_huge_body_is_413(server: Server) -> None:
+    _assert_error(_post(server, COMPLETIONS, b"x" * (5 << 20)), 413)
+
+
+def test_unknown_route_is_404(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    _assert_error(httpx.get(f"{server.url}/v1/nothing", headers=headers, timeout=5), 404)
+
+
+def test_auth(server: Server) -> None:
+    _assert_error(_post(server, COMPLETIONS, {"prompt": "hi"}, key=None), 401)
+    _assert_error(_post(server, COMPLETIONS, {"prompt": "hi"}, key="wrong"), 401)
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # open
+    _assert_error(httpx.get(f"{server.url}/admin/kv", timeout=5), 401)
+
+
+def test_request_id_is_echoed_and_never_a_key(server: Server) -> None:
+    body = {"prompt": "hi", "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "same-id"}
+    a = httpx.post(f"{server.url}{COMPLETIONS}", json=body, headers=headers, timeout=30)
+    b = httpx.post(f"{server.url}{COMPLETIONS}", json=body, headers=headers, timeout=30)
+    assert a.status_code == b.status_code == 200
+    assert a.headers["x-request-id"] == "same-id"
+    assert a.json()["id"] != b.json()["id"]
+
+
+def _wait_idle(server: Server, timeout_s: float = 5.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        kv = server.kv()
+        if kv["num_free_blocks"] == kv["num_blocks"] and kv["num_running"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.005)
+    raise AssertionError(f"blocks not freed: {server.kv()}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_blocks(server: Server, stream: bool) -> None:
+    body = {
+        "prompt": "Write a long story.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{server.url}{COMPLETIONS}", json=body, headers=headers) as r:
+                lines = r.iter_lines()
+                for _ in range(3):
+                    next(lines)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{server.url}{COMPLETIONS}", json=body, headers=headers, timeout=1.5)
+    busy = server.kv()
+    assert busy["num_running"] == 1 or busy["num_free_blocks"] == busy["num_blocks"]
+    _wait_idle(server)
