@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -14,13 +15,14 @@ def test_offline_bench_reports_pdserve_throughput(
 ) -> None:
     args = ["bench", "offline", "--model", str(tiny_model_dir("llama")), "--dtype", "float32"]
     args += ["--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--repeat", "2"]
-    assert main(args) == 0
+    assert main([*args, "--json"]) == 0
     out = capsys.readouterr().out
     assert "workload fixed: 3 requests, 24 prompt + 12 output tokens" in out
-    row = next(line for line in out.splitlines() if line.startswith("pdserve "))
-    seconds, out_tps = (float(x) for x in row.split()[1:3])
-    assert seconds > 0 and out_tps == pytest.approx(12 / seconds, rel=0.01)
+    assert any(line.startswith("pdserve ") for line in out.splitlines())
     assert "pdserve runs (s):" in out
+    (result,) = json.loads(out.splitlines()[-1])
+    assert result["system"] == "pdserve" and result["seconds"] > 0
+    assert result["output_tokens_per_s"] == pytest.approx(12 / result["seconds"])
 
 
 def test_unknown_peer_is_refused(tiny_model_dir: Any) -> None:
