@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -181,9 +182,14 @@ async def _serve(
     if first is None:  # client left before anything was produced
         return Response(status_code=499)
     if body.stream:
+        # A streaming response only notices a gone client when its next write fails, one
+        # token later; this watcher aborts as soon as the disconnect message arrives.
+        watcher = asyncio.create_task(
+            _abort_on_disconnect(request, state.client, builder.request_id)
+        )
         return StreamingResponse(
             _sse(builder, first, outputs), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache"}, background=BackgroundTask(watcher.cancel),
         )  # fmt: skip
     final = await _last_or_disconnect(request, first, outputs)
     if final is None:
@@ -230,6 +236,13 @@ async def _race_disconnect(
         await work_task
     await outputs.aclose()  # type: ignore[attr-defined]
     return None
+
+
+async def _abort_on_disconnect(
+    request: Request, client: AsyncEngineClient, request_id: str
+) -> None:
+    await _wait_disconnect(request)
+    await client.abort([request_id])  # idempotent: the stream's own cleanup aborts again
 
 
 async def _wait_disconnect(request: Request) -> None:
