@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.errors import error_response, from_exception
+from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
 from pdserve.engine.async_client import AsyncEngineClient
@@ -51,6 +52,7 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.started_s = time.time()
+        self.metrics = MetricsRecorder(model_name)
 
 
 def create_app(state: ServerState) -> Starlette:
@@ -70,6 +72,10 @@ def create_app(state: ServerState) -> Starlette:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def metrics(request: Request) -> Response:
+        body = state.metrics.render(state.client.stats)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def admin_kv(request: Request) -> Response:
         s = state.client.stats
         return JSONResponse({
@@ -86,6 +92,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/admin/kv", admin_kv, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
     )
     app.add_exception_handler(404, _not_found)
@@ -175,9 +182,12 @@ async def _serve(
             raise _HTTPError(404, f"model {body.model!r} does not exist", "not_found_error")
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
         kwargs = _engine_inputs(body, chat)
-        outputs = state.client.generate(builder.request_id, builder.params, **kwargs)
+        outputs = state.metrics.track(
+            state.client.generate(builder.request_id, builder.params, **kwargs)
+        )
         first = await _first_or_disconnect(request, outputs)
     except PdserveError as e:
+        state.metrics.request_failed(f"http_{e.http_status}")
         return from_exception(e)
     if first is None:  # client left before anything was produced
         return Response(status_code=499)

@@ -188,3 +188,32 @@ def test_client_disconnect_frees_blocks(server: Server, stream: bool) -> None:
     busy = server.kv()
     assert busy["num_running"] == 1 or busy["num_free_blocks"] == busy["num_blocks"]
     _wait_idle(server)
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of a metric's samples in Prometheus text format."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    ]
+    assert values, f"{name} missing"
+    return sum(values)
+
+
+def test_metrics_use_vllm_names_and_count_tokens(server: Server, client: openai.OpenAI) -> None:
+    before = httpx.get(f"{server.url}/metrics", timeout=5)
+    assert before.status_code == 200  # open without the API key
+    client.completions.create(model="default", prompt="Hello there", max_tokens=5, temperature=0)
+    after = httpx.get(f"{server.url}/metrics", timeout=5).text
+    for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "pdserve_kv_blocks_free",
+    ):  # fmt: skip
+        _metric(after, name)
+    gained = _metric(after, "vllm:generation_tokens_total") - _metric(
+        before.text, "vllm:generation_tokens_total"
+    )
+    assert gained == 5
+    assert _metric(after, 'pdserve_requests_total{model_name="default",outcome="finished"}') >= 1

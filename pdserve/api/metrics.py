@@ -1,0 +1,106 @@
+"""Prometheus metrics of one node, with vLLM's names where vLLM has one.
+
+Gauges about the engine (running, waiting, KV usage) are refreshed from the engine's latest
+stats when `/metrics` is scraped; request metrics are observed in the API process as each
+request's outputs stream through `MetricsRecorder.track`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.engine.core_messages import EngineStats
+from pdserve.errors import PdserveError
+from pdserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class MetricsRecorder:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated", labels, registry=r
+        )
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token")
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between tokens")
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Request latency")
+        self.requests = Counter(
+            "pdserve_requests", "Requests by outcome", [*labels, "outcome"], registry=r
+        )
+        self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "Free KV blocks", labels, registry=r)
+        self.kv_blocks_held = Gauge(
+            "pdserve_kv_blocks_held", "KV blocks held for remote decodes", labels, registry=r
+        )
+        self.preemptions = Gauge(
+            "pdserve_preemptions", "Preemptions since start", labels, registry=r
+        )
+        self.model_name = model_name
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+
+    def render(self, stats: EngineStats) -> bytes:
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        used = stats.num_blocks - stats.num_free_blocks
+        self.kv_usage.labels(m).set(used / stats.num_blocks if stats.num_blocks else 0.0)
+        self.kv_blocks_free.labels(m).set(stats.num_free_blocks)
+        self.kv_blocks_held.labels(m).set(stats.num_held_blocks)
+        self.preemptions.labels(m).set(stats.num_preemptions)
+        return generate_latest(self.registry)
+
+    def request_failed(self, outcome: str) -> None:
+        self.requests.labels(self.model_name, outcome).inc()
+
+    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, observing latencies and token counts; closing this closes
+        `outputs` (which aborts the request)."""
+        m = self.model_name
+        start = last = time.monotonic()
+        num_tokens = 0
+        outcome: str | None = "aborted"
+        try:
+            async for output in outputs:
+                now = time.monotonic()
+                new = sum(len(c.token_ids) for c in output.outputs) - num_tokens
+                if new > 0:
+                    (self.ttft if num_tokens == 0 else self.itl).labels(m).observe(now - last)
+                    for _ in range(new - 1):
+                        self.itl.labels(m).observe(0.0)  # several tokens arrived in one step
+                    num_tokens += new
+                    last = now
+                if output.finished:
+                    outcome = "finished"
+                    self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+                    self.generation_tokens.labels(m).inc(num_tokens)
+                    self.e2e.labels(m).observe(now - start)
+                yield output
+        except PdserveError:
+            outcome = None  # refused by the engine: the HTTP layer counts it with its status
+            raise
+        finally:
+            if outcome is not None:
+                self.requests.labels(m, outcome).inc()
+            await outputs.aclose()  # type: ignore[attr-defined]
