@@ -73,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.api.server import run_server
+    from pdserve.api.lifecycle import run_server
     from pdserve.engine.async_client import AsyncEngineClient
     from pdserve.llm import engine_config
 

@@ -15,7 +15,6 @@ import contextlib
 import hmac
 import json
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -51,6 +50,8 @@ class ServerState:
         self.model_name = model_name
         self.ready = False
         self.draining = False
+        self.num_inflight = 0
+        """HTTP requests whose handling (streams included) has not ended."""
         self.started_s = time.time()
         self.metrics = MetricsRecorder(model_name)
 
@@ -85,7 +86,7 @@ def create_app(state: ServerState) -> Starlette:
         })  # fmt: skip
 
     app = Starlette(
-        middleware=[Middleware(AuthMiddleware, state=state)],
+        middleware=[Middleware(EdgeMiddleware, state=state)],
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -100,8 +101,10 @@ def create_app(state: ServerState) -> Starlette:
     return app
 
 
-class AuthMiddleware:
-    """Pure ASGI middleware: bearer-key check (constant time) and X-Request-Id echo.
+class EdgeMiddleware:
+    """Pure ASGI middleware: bearer-key check (constant time), X-Request-Id echo, and the
+    in-flight count the drain waits on (a request leaves it when its ASGI call returns:
+    response fully sent, or the client gone).
 
     Pure ASGI rather than BaseHTTPMiddleware so request bodies, streaming responses and
     disconnect messages pass through untouched.
@@ -130,7 +133,11 @@ class AuthMiddleware:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        self.state.num_inflight += 1
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.state.num_inflight -= 1
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -176,6 +183,8 @@ class _HTTPError(PdserveError):
 async def _serve(
     state: ServerState, request: Request, model: type[BaseModel], chat: bool
 ) -> Response:
+    if not state.ready or state.draining:
+        return error_response(503, "the server is starting or draining", "service_unavailable")
     try:
         body = await _parse(request, model)
         if body.model not in (None, state.model_name):
@@ -284,50 +293,3 @@ async def _sse(
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _draining_server_class() -> type:
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn re-raises the signal after a graceful shutdown, so the process would die
-        'killed by SIGTERM'; a drained shutdown is a clean exit, status 0."""
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
-    return DrainingServer
-
-
-async def run_server(
-    client: AsyncEngineClient,
-    host: str,
-    port: int,
-    api_key: str | None,
-    model_name: str,
-    drain_timeout_s: float,
-) -> None:
-    """Start the engine process, serve until SIGINT/SIGTERM, drain, stop the engine.
-
-    On SIGTERM uvicorn stops accepting connections and gives in-flight requests
-    `drain_timeout_s` to finish; the rest are cancelled, which aborts them in the engine.
-    """
-    import uvicorn
-
-    _DrainingServer = _draining_server_class()
-    state = ServerState(client, api_key, model_name)
-    config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level="warning", lifespan="off",
-        timeout_graceful_shutdown=max(1, int(drain_timeout_s)),
-    )  # fmt: skip
-    server = _DrainingServer(config)
-    await client.start()
-    state.ready = True
-    logger.info("serving %s on http://%s:%d", model_name, host, port)
-    try:
-        await server.serve()
-    finally:
-        state.draining = True
-        await client.shutdown()

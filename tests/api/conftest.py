@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -33,7 +33,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(*extra: str) -> Server:
+def start_server(*extra: str, on_health: Callable[[int], None] | None = None) -> Server:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING"}
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -44,11 +44,14 @@ def start_server(*extra: str) -> Server:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return Server(url, process)
+            status = httpx.get(f"{url}/health", timeout=1).status_code
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+            status = 0
+        if status and on_health is not None:
+            on_health(status)
+        if status == 200:
+            return Server(url, process)
+        time.sleep(0.05)
     process.kill()
     raise RuntimeError("server did not become healthy")
 

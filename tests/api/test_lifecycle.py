@@ -1,0 +1,64 @@
+"""Start-up and SIGTERM drain of `pdserve serve`, each on its own server process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tests.api.conftest import start_server, stop_server
+
+BODY = {"prompt": [100, 200, 300], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+
+def _post_in_thread(url: str, body: dict[str, Any], result: dict[str, Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        except httpx.HTTPError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _wait_running(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/admin/kv", timeout=5).json()["num_running"] == 0:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.01)
+
+
+def test_health_is_503_while_loading_then_sigterm_drains_in_flight_requests() -> None:
+    statuses: list[int] = []
+    server = start_server("--dtype", "bfloat16", "--num-kv-blocks", "64", on_health=statuses.append)
+    assert 503 in statuses and statuses[-1] == 200  # listening before the model was ready
+    result: dict[str, Any] = {}
+    thread = _post_in_thread(server.url, BODY, result)
+    _wait_running(server.url)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    refused = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=5)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    thread.join(60)
+    response = result["response"]
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 40
+    assert server.process.wait(30) == 0
+
+
+def test_sigterm_drain_timeout_aborts_and_exits_zero() -> None:
+    server = start_server("--num-kv-blocks", "256", "--drain-timeout-s", "1")
+    result: dict[str, Any] = {}
+    thread = _post_in_thread(server.url, {**BODY, "max_tokens": 3000}, result)
+    _wait_running(server.url)
+    start = time.monotonic()
+    assert stop_server(server) == 0
+    assert time.monotonic() - start < 15
+    thread.join(30)
+    assert "error" in result or result["response"].status_code != 200
