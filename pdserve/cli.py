@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from pdserve import envs
-from pdserve.errors import PdserveError
+from pdserve.errors import ConfigError, PdserveError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
@@ -117,13 +118,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_file_argv(path: str) -> list[str]:
+    """A YAML file of flag values as command-line flags, placed before the real ones so
+    that explicit flags win (argparse keeps the last value).
+
+    Keys are flag names with or without dashes (`max-num-seqs` or `max_num_seqs`); a true
+    boolean turns a switch on.
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must map flag names to values")
+    argv: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse the command line, with `--config FILE` values under the explicit flags."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        args = parser.parse_args([argv[0], *_config_file_argv(args.config), *argv[1:]])
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     envs.force_hub_offline()
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         return int(args.func(args))
     except PdserveError as e:
         print(f"pdserve: error: {e.message}", file=sys.stderr)
