@@ -77,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.engine.async_client import AsyncEngineClient
     from pdserve.llm import engine_config
 
+    if args.role != "both":
+        raise ConfigError(f"--role {args.role}: prefill/decode roles are not implemented yet")
     config = engine_config(model=args.model, **engine_options(args))
     client = AsyncEngineClient(config)
     api_key = args.api_key or envs.api_key()
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)

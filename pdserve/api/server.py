@@ -98,6 +98,7 @@ def create_app(state: ServerState) -> Starlette:
     )
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _not_allowed)
+    app.add_exception_handler(Exception, _internal_error)
     return app
 
 
@@ -146,6 +147,11 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(405, f"{request.method} not allowed here", "invalid_request_error")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s", request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", "internal_error")
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:

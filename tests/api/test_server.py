@@ -51,6 +51,19 @@ def test_chat_stream_with_usage_in_final_chunk(client: openai.OpenAI) -> None:
     assert whole.choices[0].message.content == text
 
 
+def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="default", prompt="def fibonacci(n):", max_tokens=20, temperature=0
+    )
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 20
+
+
 def test_n2_and_seeded_sampling_reproducible(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(
         model="default", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=2
