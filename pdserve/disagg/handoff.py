@@ -1,0 +1,232 @@
+"""The prefill node's handoff table: blocks held for one remote decode, and their life.
+
+A handoff is minted per prefill attempt (unguessable id, per-handoff release token, the
+node's epoch) and moves through these states, each with a bounded lifetime:
+
+    PREFILLING ──prefill committed──▶ HELD ──claim──▶ CLAIMED ──done / failed──▶ RELEASED
+        │                              │  │              │
+        │ abort: freed at once         │  │ lease        │ claim deadline passed
+        ▼                              │  │ expired      ▼
+     RELEASED ◀── release / abort ─────┘  └──────────▶ RELEASED
+
+- HELD: blocks pinned, waiting for the decode node. `renew` extends the lease; without
+  renewals the sweep releases the handoff when the lease ends (decode node dead, S10).
+- CLAIMED: the decode node is reading. Nothing frees the blocks now (invariant 2) except
+  `done`/`failed` or the claim deadline; a `release` that arrives meanwhile is recorded
+  and honoured at that point.
+- RELEASED: terminal. Every later message about it is answered (`ALREADY_RELEASED`),
+  counted and ignored.
+
+Every handler is total: unknown ids, wrong tokens, stale epochs and late or repeated
+messages return an `Outcome` and bump a counter; none raises (invariant 4). Released
+handoffs are queued for the engine, which frees their blocks (`take_released`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class HandoffState(enum.Enum):
+    PREFILLING = "prefilling"
+    HELD = "held"
+    CLAIMED = "claimed"
+    RELEASED = "released"
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    UNKNOWN = "unknown"
+    BAD_TOKEN = "bad_token"
+    STALE_EPOCH = "stale_epoch"
+    ALREADY_RELEASED = "already_released"
+    WRONG_STATE = "wrong_state"
+    """The message does not apply in the handoff's current state (e.g. a claim while
+    still prefilling or already claimed, `done` without a claim)."""
+    DEFERRED = "deferred"
+    """Release of a CLAIMED handoff: honoured when the read ends or its deadline passes."""
+
+
+@dataclass
+class Handoff:
+    handoff_id: str
+    request_id: str
+    release_token: str
+    state: HandoffState
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    lease_deadline_s: float = 0.0
+    claim_deadline_s: float = 0.0
+    release_requested: bool = False
+    release_reason: str = ""
+
+
+class HandoffTable:
+    def __init__(
+        self,
+        lease_s: float = 5.0,
+        claim_timeout_s: float = 10.0,
+        epoch: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lease_s = lease_s
+        self.claim_timeout_s = claim_timeout_s
+        self.epoch = epoch or secrets.token_hex(8)
+        """New at every start: a decode node holding params from an older incarnation is
+        refused (S11)."""
+        self._clock = clock
+        self._handoffs: dict[str, Handoff] = {}
+        self._released: list[Handoff] = []
+        self.counters: Counter[str] = Counter()
+
+    # -- the prefill node's own transitions ------------------------------------------
+
+    def begin(self, request_id: str) -> Handoff:
+        """A prefill leg was admitted: mint the handoff (PREFILLING, no blocks pinned yet)."""
+        handoff = Handoff(
+            handoff_id=f"ho-{secrets.token_urlsafe(16)}",
+            request_id=request_id,
+            release_token=secrets.token_urlsafe(24),
+            state=HandoffState.PREFILLING,
+        )
+        self._handoffs[handoff.handoff_id] = handoff
+        return handoff
+
+    def hold(self, handoff_id: str, block_ids: tuple[int, ...], num_tokens: int) -> Outcome:
+        """The prefill step was committed: pin its blocks and start the lease.
+
+        Refused (the caller frees the blocks) when an abort won the race (S2)."""
+        handoff = self._handoffs.get(handoff_id)
+        if handoff is None:
+            return self._count("hold_unknown", Outcome.UNKNOWN)
+        if handoff.state is HandoffState.RELEASED:
+            return self._count("hold_after_release", Outcome.ALREADY_RELEASED)
+        if handoff.state is not HandoffState.PREFILLING:
+            return self._count("hold_repeated", Outcome.WRONG_STATE)
+        handoff.state = HandoffState.HELD
+        handoff.block_ids, handoff.num_tokens = block_ids, num_tokens
+        handoff.lease_deadline_s = self._clock() + self.lease_s
+        return Outcome.OK
+
+    # -- messages from the decode node, the proxy or an operator --------------------
+
+    def renew(self, handoff_id: str, token: str, epoch: str) -> Outcome:
+        handoff, outcome = self._authorize("renew", handoff_id, token, epoch)
+        if handoff is None:
+            return outcome
+        if handoff.state is HandoffState.HELD:
+            handoff.lease_deadline_s = self._clock() + self.lease_s
+        return Outcome.OK
+
+    def claim(self, handoff_id: str, token: str, epoch: str) -> Outcome:
+        """The decode node asks to read. Only a HELD handoff within its lease is claimable."""
+        handoff, outcome = self._authorize("claim", handoff_id, token, epoch)
+        if handoff is None:
+            return outcome
+        if handoff.state is not HandoffState.HELD:
+            return self._count("claim_wrong_state", Outcome.WRONG_STATE)
+        if self._clock() >= handoff.lease_deadline_s:  # expired, sweep not yet run
+            self._release(handoff, "lease expired")
+            return self._count("claim_expired", Outcome.ALREADY_RELEASED)
+        handoff.state = HandoffState.CLAIMED
+        handoff.claim_deadline_s = self._clock() + self.claim_timeout_s
+        return Outcome.OK
+
+    def finish_read(self, handoff_id: str, token: str, epoch: str, ok: bool) -> Outcome:
+        """`done` (ok) or `failed`: the decode node's read has ended; free the blocks."""
+        name = "done" if ok else "failed"
+        handoff, outcome = self._authorize(name, handoff_id, token, epoch)
+        if handoff is None:
+            return outcome
+        if handoff.state is not HandoffState.CLAIMED:
+            return self._count(f"{name}_unclaimed", Outcome.WRONG_STATE)
+        self._release(handoff, f"read {name}")
+        return Outcome.OK
+
+    def release(
+        self, handoff_id: str, token: str | None, epoch: str | None = None, admin: bool = False
+    ) -> Outcome:
+        """Release from the decode node, the proxy (release token) or an operator (admin)."""
+        handoff, outcome = self._authorize("release", handoff_id, token, epoch, admin)
+        if handoff is None:
+            return outcome
+        if handoff.state is HandoffState.CLAIMED:
+            handoff.release_requested = True
+            return Outcome.DEFERRED
+        self._release(handoff, "released")
+        return Outcome.OK
+
+    # -- time ----------------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Release every handoff past its lease (HELD) or claim deadline (CLAIMED)."""
+        now = self._clock()
+        expired = [
+            h for h in self._handoffs.values()
+            if (h.state is HandoffState.HELD and now >= h.lease_deadline_s)
+            or (h.state is HandoffState.CLAIMED and now >= h.claim_deadline_s)
+        ]  # fmt: skip
+        for handoff in expired:
+            reason = "lease expired" if handoff.state is HandoffState.HELD else "claim deadline"
+            self.counters[reason.replace(" ", "_")] += 1
+            self._release(handoff, reason)
+        return len(expired)
+
+    def take_released(self) -> list[Handoff]:
+        """Handoffs released since the last call: the engine frees their blocks (PREFILLING
+        ones pinned none; the running request's own abort frees those)."""
+        released, self._released = self._released, []
+        return released
+
+    def get(self, handoff_id: str) -> Handoff | None:
+        return self._handoffs.get(handoff_id)
+
+    @property
+    def num_live(self) -> int:
+        return sum(1 for h in self._handoffs.values() if h.state is not HandoffState.RELEASED)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(
+            len(h.block_ids) for h in self._handoffs.values()
+            if h.state in (HandoffState.HELD, HandoffState.CLAIMED)
+        )  # fmt: skip
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _authorize(
+        self,
+        name: str,
+        handoff_id: str,
+        token: str | None,
+        epoch: str | None,
+        admin: bool = False,
+    ) -> tuple[Handoff | None, Outcome]:
+        """The handoff if the message may act on it, else (None, why) — counted."""
+        if epoch is not None and epoch != self.epoch:
+            return None, self._count(f"{name}_stale_epoch", Outcome.STALE_EPOCH)
+        handoff = self._handoffs.get(handoff_id)
+        if handoff is None:
+            return None, self._count(f"{name}_unknown", Outcome.UNKNOWN)
+        if not admin and not hmac.compare_digest(
+            (token or "").encode(), handoff.release_token.encode()
+        ):
+            return None, self._count(f"{name}_bad_token", Outcome.BAD_TOKEN)
+        if handoff.state is HandoffState.RELEASED:
+            return None, self._count(f"{name}_late", Outcome.ALREADY_RELEASED)
+        return handoff, Outcome.OK
+
+    def _count(self, name: str, outcome: Outcome) -> Outcome:
+        self.counters[name] += 1
+        return outcome
+
+    def _release(self, handoff: Handoff, reason: str) -> None:
+        handoff.state = HandoffState.RELEASED
+        handoff.release_reason = reason
+        self._released.append(handoff)
