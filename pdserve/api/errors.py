@@ -14,5 +14,16 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
+def error_body(e: PdserveError) -> dict[str, dict[str, object]]:
+    return {
+        "error": {
+            "message": e.message,
+            "type": e.error_type,
+            "param": e.param,
+            "code": e.http_status,
+        }
+    }
+
+
 def from_exception(e: PdserveError) -> JSONResponse:
-    return error_response(e.http_status, e.message, e.error_type, e.param)
+    return JSONResponse(error_body(e), status_code=e.http_status)

@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -29,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.api.errors import error_response, from_exception
+from pdserve.api.errors import error_body, error_response, from_exception
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
@@ -216,7 +215,10 @@ async def _serve(
             _sse(builder, first, outputs), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"}, background=BackgroundTask(watcher.cancel),
         )  # fmt: skip
-    final = await _last_or_disconnect(request, first, outputs)
+    try:
+        final = await _last_or_disconnect(request, first, outputs)
+    except PdserveError as e:  # e.g. the engine process died mid-request
+        return from_exception(e)
     if final is None:
         return Response(status_code=499)
     return JSONResponse(builder.full_response(final))
@@ -280,7 +282,10 @@ async def _wait_disconnect(request: Request) -> None:
 async def _sse(
     builder: ChoiceBuilder, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
 ) -> AsyncIterator[str]:
-    """SSE chunks; closing this generator (client gone) closes `outputs`, which aborts."""
+    """SSE chunks; closing this generator (client gone) closes `outputs`, which aborts.
+
+    An error after the 200 was committed (the engine died) is sent as a final
+    `data: {"error": ...}` event, as vLLM does, instead of a silently cut stream."""
     try:
         output = first
         while True:
@@ -292,10 +297,8 @@ async def _sse(
         usage = builder.usage_chunk()
         if usage is not None:
             yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
+    except PdserveError as e:
+        yield f"data: {json.dumps(error_body(e))}\n\n"
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    yield "data: [DONE]\n\n"

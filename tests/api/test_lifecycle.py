@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,3 +64,41 @@ def test_sigterm_drain_timeout_aborts_and_exits_zero() -> None:
     assert time.monotonic() - start < 15
     thread.join(30)
     assert "error" in result or result["response"].status_code != 200
+
+
+def test_engine_process_death_turns_into_503s_not_hangs() -> None:
+    server = start_server("--num-kv-blocks", "256")
+    try:
+        pid = server.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        (engine_pid,) = (  # not multiprocessing's resource tracker
+            int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+        )
+        result: dict[str, Any] = {}
+        thread = _post_in_thread(server.url, {**BODY, "max_tokens": 900}, result)
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {**BODY, "max_tokens": 900, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+                lines.extend(r.iter_lines())
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        _wait_running(server.url)
+        time.sleep(0.3)
+        os.kill(engine_pid, signal.SIGKILL)
+        thread.join(30)
+        streamer.join(30)
+        response = result["response"]
+        assert response.status_code == 503, response.text  # an error, never a hang or a 500
+        events = [line for line in lines if line]
+        assert '"type": "service_unavailable"' in events[-2] and events[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        after = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=10)
+        assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+    finally:
+        stop_server(server)
