@@ -20,6 +20,18 @@ class PdserveError(Exception):
         self.param = param
 
 
+class StatusError(PdserveError):
+    """An error whose HTTP status and type are decided where it is raised (413, 404, an
+    engine-side rejection relayed to the API process, ...)."""
+
+    def __init__(
+        self, message: str, *, status: int, error_type: str, param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        self.http_status = status
+        self.error_type = error_type
+
+
 class InvalidRequestError(PdserveError):
     """The request (prompt, sampling parameters, ids) is malformed or out of range."""
 

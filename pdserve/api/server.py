@@ -33,7 +33,7 @@ from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
 from pdserve.engine.async_client import AsyncEngineClient
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import InvalidRequestError, PdserveError, StatusError
 from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -154,16 +154,19 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    size = int(request.headers.get("content-length") or 0)
-    if size > MAX_BODY_BYTES:
-        raise _HTTPError(413, f"body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+    too_large = StatusError(
+        f"body larger than {MAX_BODY_BYTES} bytes", status=413, error_type="invalid_request_error"
+    )
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit():
+        raise InvalidRequestError("bad Content-Length header")
+    if int(declared) > MAX_BODY_BYTES:
+        raise too_large
     body = bytearray()
     async for chunk in request.stream():
         body.extend(chunk)
         if len(body) > MAX_BODY_BYTES:
-            raise _HTTPError(
-                413, f"body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error"
-            )
+            raise too_large
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -179,12 +182,6 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise InvalidRequestError(f"{where}: {first['msg']}", param=param) from e
 
 
-class _HTTPError(PdserveError):
-    def __init__(self, status: int, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.http_status, self.error_type = status, error_type
-
-
 async def _serve(
     state: ServerState, request: Request, model: type[BaseModel], chat: bool
 ) -> Response:
@@ -193,7 +190,9 @@ async def _serve(
     try:
         body = await _parse(request, model)
         if body.model not in (None, state.model_name):
-            raise _HTTPError(404, f"model {body.model!r} does not exist", "not_found_error")
+            raise StatusError(
+                f"model {body.model!r} does not exist", status=404, error_type="not_found_error"
+            )
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
         kwargs = _engine_inputs(body, chat)
         outputs = state.metrics.track(

@@ -33,7 +33,7 @@ from pdserve.engine.core_messages import (
     StepOutputs,
 )
 from pdserve.engine.core_process import run_engine_process
-from pdserve.errors import PdserveError
+from pdserve.errors import PdserveError, StatusError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -47,13 +47,11 @@ class EngineDeadError(PdserveError):
     error_type = "service_unavailable"
 
 
-class RequestFailed(PdserveError):
-    """The engine refused a request (carries the engine's status and error type)."""
-
-    def __init__(self, error: RequestError) -> None:
-        super().__init__(error.message, param=error.param)
-        self.http_status = error.status
-        self.error_type = error.error_type
+def request_failed(error: RequestError) -> StatusError:
+    """The engine refused a request: relay its status and error type."""
+    return StatusError(
+        error.message, status=error.status, error_type=error.error_type, param=error.param
+    )
 
 
 class AsyncEngineClient:
@@ -147,7 +145,7 @@ class AsyncEngineClient:
                 item = await queue.get()
                 if isinstance(item, RequestError):
                     finished = True
-                    raise RequestFailed(item)
+                    raise request_failed(item)
                 finished = item.finished
                 yield item
                 if finished:
