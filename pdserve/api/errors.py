@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from pdserve.errors import PdserveError
-
-
-def error_response(
-    status: int, message: str, error_type: str, param: str | None = None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+from pdserve.errors import PdserveError, StatusError
 
 
 def error_body(e: PdserveError) -> dict[str, dict[str, object]]:
+    """The schema's body for an error (also sent as the last event of a broken stream)."""
     return {
         "error": {
             "message": e.message,
@@ -27,3 +21,9 @@ def error_body(e: PdserveError) -> dict[str, dict[str, object]]:
 
 def from_exception(e: PdserveError) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.http_status)
+
+
+def error_response(
+    status: int, message: str, error_type: str, param: str | None = None
+) -> JSONResponse:
+    return from_exception(StatusError(message, status=status, error_type=error_type, param=param))

@@ -95,7 +95,8 @@ class LLMEngine:
         engine_ids = [e for rid in request_ids for e in self.outputs.engine_ids(rid)]
         requests = [self.scheduler.requests[e] for e in engine_ids if e in self.scheduler.requests]
         self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
-        return self.outputs.finish_aborted(requests)
+        outputs, _ = self.outputs.update(requests)
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

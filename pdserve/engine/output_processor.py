@@ -128,7 +128,3 @@ class OutputProcessor:
         return RequestOutput(
             group.request_id, group.prompt_token_ids, outputs, group.num_cached_tokens, finished
         )
-
-    def finish_aborted(self, requests: list[Request]) -> list[RequestOutput]:
-        outputs, _ = self.update(requests)
-        return outputs
