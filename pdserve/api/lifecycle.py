@@ -5,6 +5,10 @@
     `drain_timeout_s` passed → uvicorn closes connections (unfinished requests are cancelled,
     which aborts them in the engine) → engine process stopped → exit status 0.
 
+P/D nodes (S22): a prefill node's drain also waits until every handoff was read or has
+expired (new prefill legs get 503 meanwhile); a decode node first aborts the decode legs
+that have not loaded their KV yet, which releases their handoffs on the prefill nodes.
+
 The HTTP listener comes up before the engine so that load balancers see a 503 while the
 model loads instead of a refused connection.
 """
@@ -14,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
 import uvicorn
 
 from pdserve.api.server import ServerState, create_app
+from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
 from pdserve.engine.async_client import AsyncEngineClient
 
 logger = logging.getLogger(__name__)
@@ -48,13 +54,21 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
+        state = self.state
         deadline = time.monotonic() + self.drain_timeout_s
-        logger.info("draining %d in-flight requests", self.state.num_inflight)
-        while self.state.num_inflight > 0 and time.monotonic() < deadline:
+        logger.info("draining %d in-flight requests", state.num_inflight)
+        if state.unloaded_decode_legs:
+            logger.info("releasing %d handoffs not read yet", len(state.unloaded_decode_legs))
+            await state.client.abort(sorted(state.unloaded_decode_legs))
+        while self._busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self.state.num_inflight:
-            logger.warning("drain timeout: aborting %d requests", self.state.num_inflight)
+        if self._busy():
+            logger.warning("drain timeout: aborting %d requests", state.num_inflight)
         self.should_exit = True
+
+    def _busy(self) -> bool:
+        handoffs = self.state.handoffs
+        return self.state.num_inflight > 0 or (handoffs is not None and handoffs.table.num_live > 0)
 
 
 async def run_server(
@@ -66,15 +80,28 @@ async def run_server(
     drain_timeout_s: float,
 ) -> None:
     """Serve until SIGINT/SIGTERM, drain, stop the engine process."""
-    state = ServerState(client, api_key, model_name)
+    kv = client.config.kv_transfer
+    state = ServerState(client, api_key, model_name, kv.role, kv.cluster_secret)
+    if kv.role == "prefill":
+        metrics = state.metrics
+        observer = ReleaseObserver(
+            lambda reason: metrics.handoffs_released.labels(reason).inc(),
+            metrics.release_seconds.observe,
+        )
+        state.handoffs = HandoffService(
+            client, advertised_host(host), port, kv.lease_s, kv.claim_timeout_s, observer
+        )
     config = uvicorn.Config(
         create_app(state), host=host, port=port, log_level="warning", lifespan="off",
         timeout_graceful_shutdown=_FINAL_GRACE_S,
     )  # fmt: skip
     server = _DrainingServer(config, state, drain_timeout_s)
     serving = asyncio.create_task(server.serve())
+    sweeper = None
     try:
         await client.start()
+        if state.handoffs is not None:
+            sweeper = asyncio.create_task(state.handoffs.run_sweeper())
         state.ready = True
         logger.info("serving %s on http://%s:%d", model_name, host, port)
         await serving
@@ -82,4 +109,13 @@ async def run_server(
         state.draining = True
         server.should_exit = True
         await serving
+        if sweeper is not None:
+            sweeper.cancel()
         await client.shutdown()
+
+
+def advertised_host(host: str) -> str:
+    """The address peers use to reach this node (`remote_host` in kv_transfer_params)."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host

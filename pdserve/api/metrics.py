@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.disagg.handoff import RELEASE_REASONS
 from pdserve.engine.core_messages import EngineStats
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
@@ -53,7 +54,35 @@ class MetricsRecorder:
         self.preemptions = Gauge(
             "pdserve_preemptions", "Preemptions since start", labels, registry=r
         )
+        self.handoffs = Gauge(
+            "pdserve_handoffs", "Live handoffs on a prefill node by state", ["state"], registry=r
+        )
+        self.handoffs_released = Counter(
+            "pdserve_handoffs_released", "Handoffs ended, by reason", ["reason"], registry=r
+        )
+        for reason in RELEASE_REASONS:  # export zeros, so rates work from the start
+            self.handoffs_released.labels(reason)
+        self.release_seconds = Histogram(
+            "pdserve_handoff_release_seconds", "Release trigger to blocks free",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes read from prefill nodes", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "Duration of one KV read", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
         self.model_name = model_name
+
+    def record_transfers(self, transfers: list[tuple[int, float]]) -> None:
+        for num_bytes, seconds in transfers:
+            self.transfer_bytes.inc(num_bytes)
+            self.transfer_seconds.observe(seconds)
+
+    def set_handoff_states(self, counts: dict[str, int]) -> None:
+        for state in ("prefilling", "held", "claimed"):
+            self.handoffs.labels(state).set(counts.get(state, 0))
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(

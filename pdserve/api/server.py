@@ -1,11 +1,19 @@
 """The OpenAI-compatible HTTP server of one node.
 
 Life of a request: parse and validate the body (400 on any bad field) → mint ids
-(`cmpl-…`; the client's X-Request-Id is only echoed, never used as a key) → send it to the
-engine process → stream SSE chunks or wait for the final output. If the client goes away
-first, leaving the output iterator aborts the request in the engine (blocks freed within
-one engine step). The first engine message is awaited before a streaming 200 is
-committed, so engine-side rejections (prompt too long, …) reach the client as 4xx.
+(`cmpl-…`; the client's X-Request-Id is echoed, and usable to abort, but never a key) →
+send it to the engine process → stream SSE chunks or wait for the final output. If the
+client goes away first, leaving the output iterator aborts the request in the engine
+(blocks freed within one engine step). The first engine message is awaited before a
+streaming 200 is committed, so engine-side rejections (prompt too long, …) reach the client
+as 4xx.
+
+P/D legs (`kv_transfer_params`) take the same path with two additions:
+- a prefill leg (prefill node, `do_remote_decode`) runs for exactly one token, and its
+  answer carries the handoff that now pins the prompt's KV (`_serve_prefill_leg`);
+- a decode leg (decode node, `do_remote_prefill`) rejected before the engine admitted it
+  releases its handoff on the prefill node at once (S4); after admission the engine's
+  connector owns that handoff.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import hmac
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -28,10 +38,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.errors import error_body, error_response, from_exception
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
+from pdserve.disagg.control import ControlClient, ControlError
+from pdserve.disagg.handoff_service import HandoffService
+from pdserve.disagg.params import KVTransferParams, RemoteDecode, RemotePrefill, remote_prefill_from
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
 from pdserve.outputs import RequestOutput
@@ -40,19 +54,72 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 OPEN_PATHS = ("/health", "/metrics")
+SELF_AUTHENTICATED_PATHS = ("/v1/abort_requests",)
+"""Admin key or a release token, checked by the route (`disagg_routes`)."""
+
+
+class LiveRequests:
+    """Requests being served, by server id and by X-Request-Id (for the abort API)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, set[str]] = {}
+
+    def add(self, request_id: str, client_request_id: str) -> None:
+        for key in {request_id, client_request_id} - {""}:
+            self._by_key.setdefault(key, set()).add(request_id)
+
+    def remove(self, request_id: str, client_request_id: str) -> None:
+        for key in {request_id, client_request_id} - {""}:
+            ids = self._by_key.get(key, set())
+            ids.discard(request_id)
+            if not ids:
+                self._by_key.pop(key, None)
+
+    def resolve(self, key: str) -> set[str]:
+        return set(self._by_key.get(key, ()))
+
+    def __len__(self) -> int:
+        return len({r for ids in self._by_key.values() for r in ids})
 
 
 class ServerState:
-    def __init__(self, client: AsyncEngineClient, api_key: str | None, model_name: str) -> None:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        api_key: str | None,
+        model_name: str,
+        role: str = "both",
+        cluster_secret: str | None = None,
+    ) -> None:
         self.client = client
         self.api_key = api_key
         self.model_name = model_name
+        self.role = role
+        self.cluster_secret = cluster_secret or api_key
+        """Credential for node-to-node calls, both ways (`/kv/*`, releases)."""
+        self.handoffs: HandoffService | None = None
+        """Prefill nodes: the handoff table and its service (set by `run_server`)."""
+        self.live = LiveRequests()
+        self.unloaded_decode_legs: set[str] = set()
+        """Decode legs without a first output yet: a decode node's drain aborts them."""
         self.ready = False
         self.draining = False
         self.num_inflight = 0
         """HTTP requests whose handling (streams included) has not ended."""
         self.started_s = time.time()
         self.metrics = MetricsRecorder(model_name)
+        client.on_transfers = self.metrics.record_transfers
+
+    async def release_rejected(self, remote: RemotePrefill) -> None:
+        """A decode leg refused before admission: its handoff goes back at once (S4)."""
+        control = ControlClient(self.cluster_secret)
+        try:
+            await asyncio.to_thread(control.release, remote.control_url, remote.ref, "rejected")
+        except ControlError as e:
+            logger.warning("could not release handoff %s: %s (its lease frees it)",
+                           remote.ref.handoff_id, e)  # fmt: skip
+        finally:
+            control.close()
 
 
 def create_app(state: ServerState) -> Starlette:
@@ -73,15 +140,23 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
+        if state.handoffs is not None:
+            counts = Counter(h.state.value for h in state.handoffs.table.live())
+            state.metrics.set_handoff_states(counts)
         body = state.metrics.render(state.client.stats)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def admin_kv(request: Request) -> Response:
         s = state.client.stats
+        handoffs = state.handoffs.snapshot() if state.handoffs else []
         return JSONResponse({
+            "role": state.role,
             "num_blocks": s.num_blocks, "num_free_blocks": s.num_free_blocks,
             "num_held_blocks": s.num_held_blocks, "num_running": s.num_running,
-            "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
+            "num_waiting": s.num_waiting, "num_loading": s.num_loading,
+            "num_preemptions": s.num_preemptions,
+            "num_handoffs": len(handoffs), "handoffs": handoffs,
+            "handoff_counters": dict(state.handoffs.table.counters) if state.handoffs else {},
         })  # fmt: skip
 
     app = Starlette(
@@ -93,6 +168,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/admin/kv", admin_kv, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *disagg_routes(state),
         ],
     )
     app.add_exception_handler(404, _not_found)
@@ -119,13 +195,13 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        key = self.state.api_key
-        if key and scope["path"] not in OPEN_PATHS:
-            given = headers.get("authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
-                response = error_response(401, "invalid or missing API key", "authentication_error")
-                await response(scope, receive, send)
-                return
+        key = self._required_key(scope["path"])
+        if key and not hmac.compare_digest(
+            headers.get("authorization", b""), f"Bearer {key}".encode()
+        ):
+            response = error_response(401, "invalid or missing API key", "authentication_error")
+            await response(scope, receive, send)
+            return
         request_id = headers.get("x-request-id", b"")[:256]
 
         async def send_with_id(message: Message) -> None:
@@ -138,6 +214,13 @@ class EdgeMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             self.state.num_inflight -= 1
+
+    def _required_key(self, path: str) -> str | None:
+        if path in OPEN_PATHS or path in SELF_AUTHENTICATED_PATHS:
+            return None
+        if path.startswith("/kv/"):  # node-to-node
+            return self.state.cluster_secret
+        return self.state.api_key
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -153,7 +236,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal server error", "internal_error")
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def _read_json(request: Request) -> dict[str, Any]:
     too_large = StatusError(
         f"body larger than {MAX_BODY_BYTES} bytes", status=413, error_type="invalid_request_error"
     )
@@ -173,6 +256,10 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise InvalidRequestError(f"body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise InvalidRequestError("body must be a JSON object")
+    return data
+
+
+def _validate(data: Any, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -182,37 +269,111 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise InvalidRequestError(f"{where}: {first['msg']}", param=param) from e
 
 
+def _kv_transfer(state: ServerState, data: dict[str, Any]) -> RemoteDecode | RemotePrefill | None:
+    """The P/D leg this body asks for, checked against the node's role (400 otherwise)."""
+    raw = data.get("kv_transfer_params")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(
+            "kv_transfer_params must be an object", param="kv_transfer_params"
+        )
+    params: KVTransferParams = _validate(raw, KVTransferParams)
+    if not params.do_remote_decode and not params.do_remote_prefill:
+        return None  # a neutral object, as some vLLM proxies send
+    if params.do_remote_decode and params.do_remote_prefill:
+        raise InvalidRequestError(
+            "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
+            param="kv_transfer_params",
+        )
+    wanted = "prefill" if params.do_remote_decode else "decode"
+    if state.role != wanted:
+        raise InvalidRequestError(
+            f"this is a {state.role!r} node: a {wanted} leg needs a node started with "
+            f"--role {wanted}",
+            param="kv_transfer_params",
+        )
+    return RemoteDecode() if params.do_remote_decode else remote_prefill_from(params)
+
+
 async def _serve(
     state: ServerState, request: Request, model: type[BaseModel], chat: bool
 ) -> Response:
-    if not state.ready or state.draining:
-        return error_response(503, "the server is starting or draining", "service_unavailable")
+    kv: RemoteDecode | RemotePrefill | None = None
     try:
-        body = await _parse(request, model)
+        data = await _read_json(request)
+        kv = _kv_transfer(state, data)
+        if not state.ready or state.draining:
+            raise StatusError("the server is starting or draining", status=503,
+                              error_type="service_unavailable")  # fmt: skip
+        body = _validate(data, model)
         if body.model not in (None, state.model_name):
             raise StatusError(
                 f"model {body.model!r} does not exist", status=404, error_type="not_found_error"
             )
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
-        kwargs = _engine_inputs(body, chat)
+        if isinstance(kv, RemoteDecode) and body.stream:
+            raise InvalidRequestError("a prefill leg (do_remote_decode) cannot stream",
+                                      param="stream")  # fmt: skip
+    except PdserveError as e:
+        if isinstance(kv, RemotePrefill):
+            await state.release_rejected(kv)
+        state.metrics.request_failed(f"http_{e.http_status}")
+        return from_exception(e)
+    client_request_id = request.headers.get("x-request-id", "")[:256]
+    state.live.add(builder.request_id, client_request_id)
+    keep_registered = False
+    try:
+        if isinstance(kv, RemoteDecode):
+            return await _serve_prefill_leg(state, request, body, builder, chat, client_request_id)
+        response = await _generate(state, request, body, builder, chat, kv)
+        keep_registered = isinstance(response, StreamingResponse)  # the stream unregisters
+        return response
+    finally:
+        if not keep_registered:
+            state.live.remove(builder.request_id, client_request_id)
+            state.unloaded_decode_legs.discard(builder.request_id)
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    body: Any,
+    builder: ChoiceBuilder,
+    chat: bool,
+    kv: RemotePrefill | None,
+) -> Response:
+    request_id = builder.request_id
+    if kv is not None:
+        state.unloaded_decode_legs.add(request_id)
+    try:
         outputs = state.metrics.track(
-            state.client.generate(builder.request_id, builder.params, **kwargs)
+            state.client.generate(
+                request_id, builder.params, **_engine_inputs(body, chat), kv_transfer=kv
+            )
         )
         first = await _first_or_disconnect(request, outputs)
     except PdserveError as e:
+        if kv is not None and e.error_type != "kv_transfer_error":
+            await state.release_rejected(kv)  # never admitted (after that the connector owns it)
         state.metrics.request_failed(f"http_{e.http_status}")
         return from_exception(e)
+    state.unloaded_decode_legs.discard(request_id)
     if first is None:  # client left before anything was produced
         return Response(status_code=499)
     if body.stream:
         # A streaming response only notices a gone client when its next write fails, one
         # token later; this watcher aborts as soon as the disconnect message arrives.
-        watcher = asyncio.create_task(
-            _abort_on_disconnect(request, state.client, builder.request_id)
-        )
+        watcher = asyncio.create_task(_abort_on_disconnect(request, state.client, request_id))
+        client_request_id = request.headers.get("x-request-id", "")[:256]
+
+        def finish_stream() -> None:
+            watcher.cancel()
+            state.live.remove(request_id, client_request_id)
+
         return StreamingResponse(
             _sse(builder, first, outputs), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"}, background=BackgroundTask(watcher.cancel),
+            headers={"Cache-Control": "no-cache"}, background=BackgroundTask(finish_stream),
         )  # fmt: skip
     try:
         final = await _last_or_disconnect(request, first, outputs)
@@ -221,6 +382,51 @@ async def _serve(
     if final is None:
         return Response(status_code=499)
     return JSONResponse(builder.full_response(final))
+
+
+async def _serve_prefill_leg(
+    state: ServerState,
+    request: Request,
+    body: Any,
+    builder: ChoiceBuilder,
+    chat: bool,
+    client_request_id: str,
+) -> Response:
+    """One token, then the prompt's KV stays pinned under a new handoff whose params the
+    answer carries. EOS and stop strings are ignored: the leg exists for its KV (S18)."""
+    builder.params = replace(builder.params, max_tokens=1, min_tokens=0, ignore_eos=True,
+                             stop=(), stop_token_ids=())  # fmt: skip
+    service = state.handoffs
+    assert service is not None  # a prefill leg is only accepted by a prefill node
+    handoff = service.begin(builder.request_id, client_request_id)
+    outputs = state.metrics.track(
+        state.client.generate(
+            builder.request_id,
+            builder.params,
+            **_engine_inputs(body, chat),
+            kv_transfer=RemoteDecode(),
+        )
+    )
+    try:
+        final = await _race_disconnect(request, _last(outputs), outputs)
+    except PdserveError as e:
+        await service.cancel(handoff)
+        state.metrics.request_failed(f"http_{e.http_status}")
+        return from_exception(e)
+    if final is None:  # client gone (S1/S2): the engine request was aborted
+        await service.cancel(handoff)
+        return Response(status_code=499)
+    answer = builder.full_response(final)
+    if await service.commit(handoff, final):
+        answer["kv_transfer_params"] = service.transfer_params(handoff, final).model_dump()
+    return JSONResponse(answer)
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = await outputs.__anext__()
+    while not last.finished:
+        last = await outputs.__anext__()
+    return last
 
 
 def _engine_inputs(body: Any, chat: bool) -> dict[str, Any]:

@@ -32,6 +32,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+RELEASE_REASONS = ("transferred", "released", "aborted", "expired", "rejected", "failed")
+"""Why a handoff ended: read done; released by the decode node or proxy; aborted by an
+operator or a cancelled prefill leg; lease or claim deadline passed; the decode node
+refused the request; the read failed."""
+RELEASED_RETENTION_S = 600.0
+"""RELEASED handoffs are remembered this long, to answer late messages precisely."""
+
 
 class HandoffState(enum.Enum):
     PREFILLING = "prefilling"
@@ -63,8 +70,13 @@ class Handoff:
     num_tokens: int = 0
     lease_deadline_s: float = 0.0
     claim_deadline_s: float = 0.0
+    client_request_id: str = ""
+    """The client's X-Request-Id, so an operator can abort by it."""
+    created_s: float = 0.0
     release_requested: bool = False
     release_reason: str = ""
+    """One of RELEASE_REASONS once RELEASED."""
+    released_at_s: float = 0.0
 
 
 class HandoffTable:
@@ -87,13 +99,15 @@ class HandoffTable:
 
     # -- the prefill node's own transitions ------------------------------------------
 
-    def begin(self, request_id: str) -> Handoff:
+    def begin(self, request_id: str, client_request_id: str = "") -> Handoff:
         """A prefill leg was admitted: mint the handoff (PREFILLING, no blocks pinned yet)."""
         handoff = Handoff(
             handoff_id=f"ho-{secrets.token_urlsafe(16)}",
             request_id=request_id,
             release_token=secrets.token_urlsafe(24),
             state=HandoffState.PREFILLING,
+            client_request_id=client_request_id,
+            created_s=self._clock(),
         )
         self._handoffs[handoff.handoff_id] = handoff
         return handoff
@@ -116,7 +130,7 @@ class HandoffTable:
 
     # -- messages from the decode node, the proxy or an operator --------------------
 
-    def renew(self, handoff_id: str, token: str, epoch: str) -> Outcome:
+    def renew(self, handoff_id: str, token: str, epoch: str | None) -> Outcome:
         handoff, outcome = self._authorize("renew", handoff_id, token, epoch)
         if handoff is None:
             return outcome
@@ -124,7 +138,7 @@ class HandoffTable:
             handoff.lease_deadline_s = self._clock() + self.lease_s
         return Outcome.OK
 
-    def claim(self, handoff_id: str, token: str, epoch: str) -> Outcome:
+    def claim(self, handoff_id: str, token: str, epoch: str | None) -> Outcome:
         """The decode node asks to read. Only a HELD handoff within its lease is claimable."""
         handoff, outcome = self._authorize("claim", handoff_id, token, epoch)
         if handoff is None:
@@ -132,13 +146,14 @@ class HandoffTable:
         if handoff.state is not HandoffState.HELD:
             return self._count("claim_wrong_state", Outcome.WRONG_STATE)
         if self._clock() >= handoff.lease_deadline_s:  # expired, sweep not yet run
-            self._release(handoff, "lease expired")
+            self.counters["lease_expired"] += 1
+            self._release(handoff, "expired")
             return self._count("claim_expired", Outcome.ALREADY_RELEASED)
         handoff.state = HandoffState.CLAIMED
         handoff.claim_deadline_s = self._clock() + self.claim_timeout_s
         return Outcome.OK
 
-    def finish_read(self, handoff_id: str, token: str, epoch: str, ok: bool) -> Outcome:
+    def finish_read(self, handoff_id: str, token: str, epoch: str | None, ok: bool) -> Outcome:
         """`done` (ok) or `failed`: the decode node's read has ended; free the blocks."""
         name = "done" if ok else "failed"
         handoff, outcome = self._authorize(name, handoff_id, token, epoch)
@@ -146,11 +161,16 @@ class HandoffTable:
             return outcome
         if handoff.state is not HandoffState.CLAIMED:
             return self._count(f"{name}_unclaimed", Outcome.WRONG_STATE)
-        self._release(handoff, f"read {name}")
+        self._release(handoff, "transferred" if ok else "failed")
         return Outcome.OK
 
     def release(
-        self, handoff_id: str, token: str | None, epoch: str | None = None, admin: bool = False
+        self,
+        handoff_id: str,
+        token: str | None,
+        epoch: str | None = None,
+        admin: bool = False,
+        reason: str = "released",
     ) -> Outcome:
         """Release from the decode node, the proxy (release token) or an operator (admin)."""
         handoff, outcome = self._authorize("release", handoff_id, token, epoch, admin)
@@ -159,7 +179,7 @@ class HandoffTable:
         if handoff.state is HandoffState.CLAIMED:
             handoff.release_requested = True
             return Outcome.DEFERRED
-        self._release(handoff, "released")
+        self._release(handoff, reason)
         return Outcome.OK
 
     # -- time ----------------------------------------------------------------------
@@ -173,9 +193,14 @@ class HandoffTable:
             or (h.state is HandoffState.CLAIMED and now >= h.claim_deadline_s)
         ]  # fmt: skip
         for handoff in expired:
-            reason = "lease expired" if handoff.state is HandoffState.HELD else "claim deadline"
-            self.counters[reason.replace(" ", "_")] += 1
-            self._release(handoff, reason)
+            held = handoff.state is HandoffState.HELD
+            self.counters["lease_expired" if held else "claim_deadline"] += 1
+            self._release(handoff, "expired")
+        forgotten = [h.handoff_id for h in self._handoffs.values()
+                     if h.state is HandoffState.RELEASED
+                     and now - h.released_at_s > RELEASED_RETENTION_S]  # fmt: skip
+        for handoff_id in forgotten:
+            del self._handoffs[handoff_id]
         return len(expired)
 
     def take_released(self) -> list[Handoff]:
@@ -186,6 +211,14 @@ class HandoffTable:
 
     def get(self, handoff_id: str) -> Handoff | None:
         return self._handoffs.get(handoff_id)
+
+    def live(self) -> list[Handoff]:
+        return [h for h in self._handoffs.values() if h.state is not HandoffState.RELEASED]
+
+    def by_request(self, request_id: str) -> list[Handoff]:
+        """Handoffs of a server request id or a client X-Request-Id (live and released)."""
+        return [h for h in self._handoffs.values()
+                if request_id in (h.request_id, h.client_request_id)]  # fmt: skip
 
     @property
     def num_live(self) -> int:
@@ -229,4 +262,5 @@ class HandoffTable:
     def _release(self, handoff: Handoff, reason: str) -> None:
         handoff.state = HandoffState.RELEASED
         handoff.release_reason = reason
+        handoff.released_at_s = self._clock()
         self._released.append(handoff)

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -68,6 +68,12 @@ class AsyncEngineClient:
         self._process: Any = None
         self._reader: asyncio.Task[None] | None = None
         self.dead = False
+        self.kv_layout: Any = None
+        self.kv_transport: Any = None
+        self.on_freed_held: Callable[[list[str]], None] | None = None
+        """Called with user request ids whose held blocks the engine just freed."""
+        self.on_transfers: Callable[[list[tuple[int, float]]], None] | None = None
+        """Called with the KV reads the engine completed: (bytes, seconds) each."""
 
     async def start(self) -> None:
         input_addr = f"ipc://{self._dir}/input"
@@ -88,6 +94,7 @@ class AsyncEngineClient:
             ready.max_model_len,
             ready.stats,
         )
+        self.kv_layout, self.kv_transport = ready.kv_layout, ready.kv_transport
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _wait_ready(self) -> Ready:
@@ -115,6 +122,10 @@ class AsyncEngineClient:
                 self._deliver(error.request_id, error)
             for output in message.outputs:
                 self._deliver(output.request_id, output)
+            if message.freed_held and self.on_freed_held is not None:
+                self.on_freed_held(message.freed_held)
+            if message.transfers and self.on_transfers is not None:
+                self.on_transfers(message.transfers)
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestError) -> None:
         queue = self._queues.get(request_id)
@@ -132,6 +143,7 @@ class AsyncEngineClient:
         params: SamplingParams,
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        kv_transfer: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
         if self.dead:
@@ -140,13 +152,15 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._send(AddRequest(request_id, params, prompt, messages))
+            await self._send(AddRequest(request_id, params, prompt, messages, kv_transfer))
             while True:
                 item = await queue.get()
                 if isinstance(item, RequestError):
                     finished = True
                     raise request_failed(item)
                 finished = item.finished
+                if item.error is not None:  # failed inside the engine (a remote KV load)
+                    raise StatusError(item.error, status=502, error_type="kv_transfer_error")
                 yield item
                 if finished:
                     return

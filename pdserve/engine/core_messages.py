@@ -21,6 +21,8 @@ class AddRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     """Chat messages: the engine renders the model's chat template."""
+    kv_transfer: object | None = None
+    """`RemoteDecode` / `RemotePrefill` (pdserve.disagg.params) for a P/D leg."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class EngineStats:
     num_held_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_loading: int = 0
+    """Requests waiting for a remote KV load (decode nodes)."""
     num_preemptions: int = 0
     num_steps: int = 0
 
@@ -58,6 +62,10 @@ class Ready:
     model_name: str
     max_model_len: int
     stats: EngineStats
+    kv_layout: Any = None
+    """P/D nodes: the `KVLayout` peers must match."""
+    kv_transport: Any = None
+    """Prefill nodes: the `TransportInfo` decode nodes read from."""
 
 
 @dataclass(frozen=True)
@@ -65,3 +73,7 @@ class StepOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    freed_held: list[str] = field(default_factory=list)
+    """User request ids whose held blocks were freed since the last message."""
+    transfers: list[tuple[int, float]] = field(default_factory=list)
+    """KV reads completed since the last message: (bytes, seconds)."""

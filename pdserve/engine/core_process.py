@@ -32,12 +32,13 @@ from pdserve.engine.core_messages import (
     Shutdown,
     StepOutputs,
 )
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine import LLMEngine, user_request_id
 from pdserve.errors import PdserveError
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+TRANSFER_POLL_MS = 2
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
@@ -48,6 +49,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_held_blocks=sum(len(engine.kv.block_ids(r)) for r in sched.held),
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
+        num_loading=len(sched.loading),
         num_preemptions=sched.num_preemptions,
         num_steps=engine.num_steps,
     )
@@ -57,6 +59,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     """Entry point of the child process (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call otherwise
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)
@@ -64,21 +67,43 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     outbox.connect(output_addr)
     try:
         engine = LLMEngine(config)
-        name = config.model.model
-        outbox.send(pickle.dumps(Ready(name, engine.max_model_len, engine_stats(engine))))
-        _loop(engine, inbox, outbox)
+        outbox.send(pickle.dumps(_ready(engine)))
+        try:
+            _loop(engine, inbox, outbox)
+        finally:
+            engine.close()
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
 
 
+def _ready(engine: LLMEngine) -> Ready:
+    layout = transport = None
+    if engine.config.kv_transfer.role != "both":
+        from pdserve.disagg.connectors import kv_layout
+
+        cache = engine.config.cache
+        layout = kv_layout(engine.loaded, engine.runner.kv_cache, cache.block_size)
+        transport = engine.connector.transport.info()  # type: ignore[attr-defined]
+    name = engine.config.model.model
+    return Ready(name, engine.max_model_len, engine_stats(engine), layout, transport)
+
+
+def _poll_ms(engine: LLMEngine) -> int:
+    """How long to wait for messages: not at all while there is compute to do; briefly
+    while remote loads or held blocks wait on the connector's threads; else idle."""
+    sched = engine.scheduler
+    if sched.has_runnable():
+        return 0
+    return TRANSFER_POLL_MS if sched.loading or sched.held else IDLE_POLL_MS
+
+
 def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     last_stats = None
     while True:
-        busy = engine.has_unfinished()
         errors: list[RequestError] = []
-        if inbox.poll(0 if busy else IDLE_POLL_MS):
+        if inbox.poll(_poll_ms(engine)):
             while True:
                 try:
                     message = pickle.loads(inbox.recv(zmq.NOBLOCK))
@@ -88,13 +113,20 @@ def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     engine.abort(list(engine.outputs.request_ids()))
                     return
                 errors.extend(_handle(engine, message))
-        outputs = engine.step() if engine.has_unfinished() else []
-        if not outputs:
-            engine.scheduler.tick()
+        outputs = engine.step() if engine.has_unfinished() else engine.tick()
         stats = engine_stats(engine)
-        if outputs or errors or stats != last_stats:
-            outbox.send(pickle.dumps(StepOutputs(outputs, errors, stats)))
+        freed = [user_request_id(r) for r in engine.scheduler.freed_held]
+        engine.scheduler.freed_held.clear()
+        transfers = _take_transfers(engine)
+        if outputs or errors or freed or transfers or stats != last_stats:
+            message = StepOutputs(outputs, errors, stats, freed, transfers)
+            outbox.send(pickle.dumps(message))
             last_stats = stats
+
+
+def _take_transfers(engine: LLMEngine) -> list[tuple[int, float]]:
+    take = getattr(engine.connector, "take_transfers", None)  # decode nodes only
+    return take() if take is not None else []
 
 
 def _handle(engine: LLMEngine, message: Any) -> list[RequestError]:
@@ -112,7 +144,9 @@ def _handle(engine: LLMEngine, message: Any) -> list[RequestError]:
             prompt = engine.tokenizer.apply_chat_template(message.messages)
         if prompt is None:
             raise PdserveError("request without a prompt")
-        engine.add_request(prompt, message.params, request_id=message.request_id)
+        engine.add_request(
+            prompt, message.params, request_id=message.request_id, kv_transfer=message.kv_transfer
+        )
     except PdserveError as e:
         return [RequestError(message.request_id, e.http_status, e.message, e.error_type, e.param)]
     return []

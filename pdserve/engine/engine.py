@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import KVConnector, NoKVConnector
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
@@ -51,8 +51,13 @@ class LLMEngine:
                 num_blocks,
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, connector)
         self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, config.model.seed)
+        if connector is None and config.kv_transfer.role != "both":
+            from pdserve.disagg.connectors import create_connector  # P/D nodes only
+
+            connector = create_connector(config, self.loaded, self.runner.kv_cache)
+        self.connector = connector or NoKVConnector()
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -64,11 +69,20 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        kv_transfer: object | None = None,
     ) -> str:
-        """Queue a request; returns its id. `n > 1` becomes n engine requests."""
+        """Queue a request; returns its id. `n > 1` becomes n engine requests.
+
+        `kv_transfer` (from `pdserve.disagg.params`) tells the KV connector to hold the
+        prompt's KV for a remote decode or to load it from a remote prefill."""
         request_id = request_id or f"req-{next(self._ids)}"
         if self.outputs.engine_ids(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if kv_transfer is not None and params.n != 1:
+            raise InvalidRequestError(
+                "n > 1 is not supported with kv_transfer_params: send one leg per sample",
+                param="n",
+            )
         prompt_ids = self._tokenize(prompt)
         self._check_length(prompt_ids, params)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.arch.eos_token_ids
@@ -82,6 +96,7 @@ class LLMEngine:
                 _sample_params(params, i),
                 eos_token_ids=tuple(eos),
                 arrival_time=now,
+                kv_transfer=kv_transfer,
             )
             for i in range(params.n)
         ]
@@ -91,23 +106,34 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        """Abort requests in any state; returns their final outputs. Unknown ids: ignored."""
+        """Abort requests in any state; returns their final outputs. Unknown ids: ignored.
+
+        A request that already finished but whose blocks are still held (a prefill leg's
+        handoff) is released too, as far as its connector allows (the vLLM endpoint this
+        project started from could not free finished requests)."""
         engine_ids = [e for rid in request_ids for e in self.outputs.engine_ids(rid)]
         requests = [self.scheduler.requests[e] for e in engine_ids if e in self.scheduler.requests]
         self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
         outputs, _ = self.outputs.update(requests)
+        wanted = set(request_ids)
+        held = [h for h in self.scheduler.held if user_request_id(h) in wanted]
+        if held:
+            self.scheduler.release_held(self.connector.on_abort(held))
         return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the connector's threads and transfers (P/D nodes)."""
+        self.connector.close()
 
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.scheduler.tick()
-            return []
+            return self.tick()
         model_out = self.runner.execute(sched)
         for entry, logprob in zip(sched.scheduled, model_out.logprobs, strict=True):
             if logprob is not None:
@@ -116,6 +142,11 @@ class LLMEngine:
         outputs, stopped = self.outputs.update(updated)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
+        return outputs
+
+    def tick(self) -> list[RequestOutput]:
+        """No model step: apply the KV connector's news (loads ended, blocks releasable)."""
+        outputs, _ = self.outputs.update(self.scheduler.tick())
         return outputs
 
     # -- helpers -------------------------------------------------------------------
@@ -154,6 +185,11 @@ class LLMEngine:
                 f"the context of {self.max_model_len} tokens",
                 param="max_tokens",
             )
+
+
+def user_request_id(engine_request_id: str) -> str:
+    """The caller's request id inside an internal id `{request_id}#{sample}.{counter}`."""
+    return engine_request_id.rsplit("#", 1)[0]
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -27,6 +27,8 @@ class _Group:
     prompt_token_ids: list[int]
     samples: dict[str, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    held_block_ids: tuple[int, ...] = ()
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +71,8 @@ class OutputProcessor:
                 continue
             sample = group.samples[r.request_id]
             group.num_cached_tokens = max(group.num_cached_tokens, r.num_cached_tokens)
+            group.held_block_ids += r.held_block_ids
+            group.error = group.error or r.error
             if self._absorb(r, sample):
                 stopped.append(r.request_id)
             touched[group.request_id] = group
@@ -126,5 +130,6 @@ class OutputProcessor:
             for engine_id in group.samples:
                 self._group_of.pop(engine_id, None)
         return RequestOutput(
-            group.request_id, group.prompt_token_ids, outputs, group.num_cached_tokens, finished
-        )
+            group.request_id, group.prompt_token_ids, outputs, group.num_cached_tokens, finished,
+            held_block_ids=group.held_block_ids if finished else (), error=group.error,
+        )  # fmt: skip

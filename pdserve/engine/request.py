@@ -1,8 +1,12 @@
 """A request inside the engine, and its states.
 
     WAITING ──scheduled──▶ RUNNING ──stop / length──▶ FINISHED_STOPPED | FINISHED_LENGTH
-       ▲                      │
-       └──── PREEMPTED ◀──────┘  (blocks ran out: freed, recomputed later from its tokens)
+       │  ▲                   ▲  │
+       │  └── PREEMPTED ◀─────┼──┘  (blocks ran out: freed, recomputed later from its tokens)
+       │                      │
+       └─▶ WAITING_FOR_REMOTE_KV   (blocks allocated; the KV connector fills them from a
+                 │                  remote node; RUNNING when the load ends)
+                 └── load failed, policy `fail` ──▶ FINISHED_ERROR
 
     any non-finished state ──abort──▶ FINISHED_ABORTED
 
@@ -25,9 +29,11 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +41,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
     @property
@@ -44,6 +51,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -65,8 +73,17 @@ class Request:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        kv_transfer: object | None = None,
     ) -> None:
         self.request_id = request_id
+        self.kv_transfer = kv_transfer
+        """What the KV connector should do with this request's KV (`pdserve.disagg.params`:
+        hold it for a remote decode, or load it from a remote prefill). Opaque to the
+        scheduler."""
+        self.held_block_ids: tuple[int, ...] = ()
+        """Blocks the connector kept pinned when the request finished."""
+        self.error: str | None = None
+        """Why the request ended in FINISHED_ERROR."""
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)

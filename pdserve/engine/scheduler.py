@@ -11,6 +11,11 @@ After the model ran, `update_from_output()` appends the sampled tokens and finis
 requests that hit EOS, a stop token, `max_tokens` or the context limit. Requests can be
 aborted in any state with `finish_requests()`.
 
+A request whose prompt KV the connector loads from another node (P/D decode) is admitted
+with blocks for those tokens but parked in `loading` (WAITING_FOR_REMOTE_KV, counted
+against `max_num_seqs`, never preempted) until the connector reports the load ended; then
+it runs from the loaded tokens, or recomputes them if the load failed.
+
 The scheduler is role-agnostic: everything about KV transfer goes through the
 `KVConnector` hooks.
 """
@@ -23,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_connector import KVConnector, NoKVConnector
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, NoKVConnector
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -80,8 +85,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, tuple[Request, int]] = {}
+        """Requests waiting for a remote load, with the token count they will have computed."""
         self.held: set[str] = set()
         """Finished requests whose blocks the connector keeps pinned."""
+        self.freed_held: list[str] = []
+        """Held requests freed since the owner last cleared this list (for reporting)."""
         self.num_preemptions = 0
 
     # -- admission and abort ---------------------------------------------------------
@@ -101,11 +110,15 @@ class Scheduler:
                 continue
             if request in self.running:
                 self.running.remove(request)
-            else:
+            elif self.loading.pop(request_id, None) is None:
                 self.waiting.remove(request)
             self._finish(request, status)
 
     def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def has_runnable(self) -> bool:
+        """Something to compute now (requests waiting for a remote load are not)."""
         return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------
@@ -140,28 +153,41 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_computed
+            num_remote = self.connector.get_num_remote_tokens(request, num_computed)
+            # A remote load needs blocks but no compute budget; the request runs later.
+            num_new = 0 if num_remote else request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate(request.request_id, num_computed + num_new, cached):
+            num_tokens = num_computed + num_remote + num_new
+            if not self.kv.allocate(request.request_id, num_tokens, cached):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0 and request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
+            block_ids = self.kv.block_ids(request.request_id)
+            if num_remote:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.loading[request.request_id] = (request, num_computed + num_remote)
+                self.connector.on_admitted(request, block_ids, num_remote)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.connector.on_admitted(request, block_ids, 0)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
+    @property
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.loading)
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         block_ids = self.kv.block_ids(request.request_id)
-        self.connector.on_blocks_allocated(request, block_ids)
         ctx = request.num_computed_tokens
         samples = ctx + num_new == request.num_tokens
         return ScheduledRequest(request, num_new, ctx, tuple(block_ids), samples)
@@ -201,7 +227,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-        self._release_held(self.connector.on_step_finished(output))
+        updated.extend(self._apply(self.connector.on_step_finished(output)))
         return updated
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
@@ -224,15 +250,39 @@ class Scheduler:
         block_ids = self.kv.block_ids(request.request_id)
         if self.connector.on_request_finished(request, block_ids):
             self.held.add(request.request_id)
+            request.held_block_ids = tuple(block_ids)
         else:
             self.kv.free(request.request_id)
 
-    def _release_held(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            if request_id in self.held:
-                self.held.remove(request_id)
-                self.kv.free(request_id)
+    def release_held(self, request_ids: Iterable[str]) -> list[str]:
+        """Free the blocks of held requests; returns the ids actually freed."""
+        freed = [r for r in request_ids if r in self.held]
+        for request_id in freed:
+            self.held.remove(request_id)
+            self.kv.free(request_id)
+        self.freed_held.extend(freed)
+        return freed
 
-    def tick(self) -> None:
-        """Give the connector a chance to release held blocks while no step runs."""
-        self._release_held(self.connector.on_step_finished(SchedulerOutput((), 0)))
+    def _apply(self, events: ConnectorEvents) -> list[Request]:
+        """Apply the connector's news; returns requests that failed (they need an output)."""
+        failed = []
+        for result in events.loads_finished:
+            request, num_loaded = self.loading.pop(result.request_id, (None, 0))
+            if request is None:  # aborted meanwhile: its blocks are held until the read ended
+                continue
+            if result.error is not None:
+                request.error = result.error
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                failed.append(request)
+                continue
+            if result.ok:
+                request.num_computed_tokens = num_loaded
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        self.release_held(events.releasable)
+        return failed
+
+    def tick(self) -> list[Request]:
+        """Between steps (idle, or after control messages): apply the connector's news.
+        Returns requests that failed."""
+        return self._apply(self.connector.on_step_finished(SchedulerOutput((), 0)))

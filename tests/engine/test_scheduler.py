@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, LoadResult
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.errors import ConfigError
@@ -497,30 +497,38 @@ def test_max_model_len_finishes_with_length() -> None:
 
 
 class RecordingConnector(KVConnector):
-    """Records every hook call; holds the blocks of requests named in `hold`."""
+    """Records every hook call; holds the blocks of requests named in `hold`; loads the
+    tokens named in `remote` (request id → token count) until a test ends the load."""
 
-    def __init__(self, hold: Sequence[str] = ()) -> None:
+    def __init__(self, hold: Sequence[str] = (), remote: dict[str, int] | None = None) -> None:
         self.hold = set(hold)
+        self.remote = dict(remote or {})
         self.releasable: list[str] = []
+        self.loads_finished: list[LoadResult] = []
         self.added: list[str] = []
-        self.allocated: list[tuple[str, list[int]]] = []
+        self.admitted: list[tuple[str, list[int], int]] = []
         self.finished: list[tuple[str, RequestStatus, list[int]]] = []
         self.num_step_calls = 0
 
     def on_request_added(self, request: Request) -> None:
         self.added.append(request.request_id)
 
-    def on_blocks_allocated(self, request: Request, block_ids: Sequence[int]) -> None:
-        self.allocated.append((request.request_id, list(block_ids)))
+    def get_num_remote_tokens(self, request: Request, num_local_tokens: int) -> int:
+        return max(0, self.remote.get(request.request_id, 0) - num_local_tokens)
+
+    def on_admitted(self, request: Request, block_ids: Sequence[int], num_remote: int) -> None:
+        self.admitted.append((request.request_id, list(block_ids), num_remote))
+        self.remote.pop(request.request_id, None)  # loads once, like the decode connector
 
     def on_request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
         self.finished.append((request.request_id, request.status, list(block_ids)))
         return request.request_id in self.hold
 
-    def on_step_finished(self, output: SchedulerOutput) -> Sequence[str]:
+    def on_step_finished(self, output: SchedulerOutput) -> ConnectorEvents:
         self.num_step_calls += 1
         ids, self.releasable = self.releasable, []
-        return ids
+        loads, self.loads_finished = self.loads_finished, []
+        return ConnectorEvents(tuple(loads), tuple(ids))
 
 
 def test_connector_hooks_get_each_request_and_its_blocks() -> None:
@@ -529,140 +537,111 @@ def test_connector_hooks_get_each_request_and_its_blocks() -> None:
     scheduler.add_request(make_request(6, max_tokens=2, request_id="a"))
     scheduler.add_request(make_request(2, max_tokens=1, request_id="b", first_token_id=200))
     assert connector.added == ["a", "b"]
-    assert connector.allocated == []
+    assert connector.admitted == []
 
     last_blocks = {}
     num_steps = 0
+    admitted_blocks = {}
     while scheduler.has_unfinished():
-        num_calls_before = len(connector.allocated)
         out = run_step(scheduler)
         num_steps += 1
-        entries = [(s.request.request_id, list(s.block_ids)) for s in out.scheduled]
-        assert sorted(connector.allocated[num_calls_before:]) == sorted(entries)
         for s in out.scheduled:
             assert len(s.block_ids) == -(-(s.num_context_tokens + s.num_new_tokens) // 4)
             last_blocks[s.request.request_id] = list(s.block_ids)
+            admitted_blocks.setdefault(s.request.request_id, list(s.block_ids))
 
     assert num_steps == 3  # a's first chunk; a's rest with b; a's decode
     assert connector.num_step_calls == num_steps
+    assert connector.admitted == [("a", admitted_blocks["a"], 0), ("b", admitted_blocks["b"], 0)]
     length = RequestStatus.FINISHED_LENGTH
     assert connector.finished == [("b", length, last_blocks["b"]), ("a", length, last_blocks["a"])]
     assert_idle(scheduler)
 
 
-def test_on_blocks_allocated_reports_the_requests_current_blocks() -> None:
-    connector = RecordingConnector()
+# -- remote loads (a decode node's requests) -------------------------------------------------
+
+
+def test_a_remote_load_parks_the_request_with_blocks_until_the_load_ends() -> None:
+    connector = RecordingConnector(remote={"d": 9})
     scheduler = make_scheduler(connector=connector, block_size=4)
-    scheduler.add_request(make_request(7, max_tokens=3, request_id="a"))
-    for _ in range(3):
-        run_step(scheduler)
-    sizes = [len(block_ids) for _, block_ids in connector.allocated]
-    assert sizes == [2, 2, 3]  # 7 tokens, 8 tokens, then the 9th needs a third block
-    assert connector.allocated[1][1] == connector.allocated[2][1][:2]
-
-
-def test_on_request_finished_gets_status_and_blocks_of_an_aborted_request() -> None:
-    connector = RecordingConnector()
-    scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=5, request_id="a"))
-    scheduler.add_request(make_request(6, max_tokens=5, request_id="w", first_token_id=200))
-    scheduler.finish_requests(["w"], ABORTED)  # never scheduled: no blocks
-    run_step(scheduler)
-    blocks = scheduler.kv.block_ids("a")
-    scheduler.finish_requests(["a"], ABORTED)
-    assert connector.finished == [("w", ABORTED, []), ("a", ABORTED, blocks)]
-
-
-def test_held_blocks_stay_allocated_until_on_step_finished_releases_them() -> None:
-    connector = RecordingConnector(hold=["a"])
-    scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=1, request_id="a"))
-    run_step(scheduler)
-
-    assert scheduler.held == {"a"}
-    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
-    assert not scheduler.has_unfinished()
-
-    scheduler.add_request(make_request(3, max_tokens=2, request_id="b", first_token_id=200))
-    run_step(scheduler)
-    assert scheduler.held == {"a"}  # nothing released yet
-
-    connector.releasable = ["unknown", "a"]
-    run_step(scheduler)
-    assert scheduler.held == set()
-    assert not scheduler.kv.holds("a")
-    assert_idle(scheduler)
-
-
-def test_tick_releases_held_blocks_while_idle() -> None:
-    connector = RecordingConnector(hold=["a"])
-    scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=1, request_id="a"))
-    run_step(scheduler)
-    scheduler.tick()
-    assert scheduler.held == {"a"}
-    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
-
-    connector.releasable = ["a"]
-    scheduler.tick()
-    assert scheduler.held == set()
-    connector.releasable = ["a"]  # already released: ignored
-    scheduler.tick()
-    assert_idle(scheduler)
-
-
-def test_aborted_request_can_be_held_too() -> None:
-    connector = RecordingConnector(hold=["a"])
-    scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=5, request_id="a"))
-    run_step(scheduler)
-    scheduler.finish_requests(["a"], ABORTED)
-    assert scheduler.held == {"a"}
-    assert scheduler.kv.holds("a")
-    connector.releasable = ["a"]
-    scheduler.tick()
-    assert_idle(scheduler)
-
-
-def test_new_request_never_gets_blocks_held_for_a_finished_request_of_the_same_id() -> None:
-    connector = RecordingConnector(hold=["a"])
-    scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=1, request_id="a"))
-    run_step(scheduler)
-    held_blocks = set(scheduler.kv.block_ids("a"))
-    connector.hold.clear()
-
-    try:
-        scheduler.add_request(make_request(6, max_tokens=4, request_id="a", first_token_id=300))
-    except ValueError:
-        return  # rejected while still held: fine
+    d = make_request(10, max_tokens=2, request_id="d")
+    scheduler.add_request(d)
+    scheduler.add_request(make_request(3, max_tokens=2, request_id="local", first_token_id=300))
     out = run_step(scheduler)
-    assert not held_blocks & set(out.scheduled[0].block_ids)
-    connector.releasable = ["a"]  # the old request's transfer is done
+    assert scheduled_ids(out) == ["local"]  # d computes nothing while its KV is loading
+    assert d.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert connector.admitted[0] == ("d", scheduler.kv.block_ids("d"), 9)
+    assert len(scheduler.kv.block_ids("d")) == 3  # 9 tokens in blocks of 4
     run_step(scheduler)
-    assert scheduler.kv.holds("a")  # the new, still running request keeps its blocks
+    assert d.status is RequestStatus.WAITING_FOR_REMOTE_KV  # still loading
+
+    connector.loads_finished = [LoadResult("d", ok=True)]
+    scheduler.tick()
+    out = run_step(scheduler)
+    entry = next(s for s in out.scheduled if s.request is d)
+    assert (entry.num_context_tokens, entry.num_new_tokens) == (9, 1)  # only the last position
+    run_until_done(scheduler)
+    assert d.output_token_ids == [SAMPLED_TOKEN] * 2
+    assert_idle(scheduler)
 
 
-class SamplesAtStepEnd(KVConnector):
-    def __init__(self) -> None:
-        self.seen: list[list[bool]] = []
+def test_a_failed_load_recomputes_the_prompt_and_an_erroring_one_fails_the_request() -> None:
+    connector = RecordingConnector(remote={"re": 9, "err": 9})
+    scheduler = make_scheduler(connector=connector, block_size=4)
+    recompute = make_request(10, max_tokens=1, request_id="re")
+    failing = make_request(10, max_tokens=1, request_id="err", first_token_id=500)
+    scheduler.add_request(recompute)
+    scheduler.add_request(failing)
+    run_step(scheduler)
+    connector.loads_finished = [LoadResult("re", ok=False), LoadResult("err", False, "boom")]
+    failed = scheduler.tick()
+    assert failed == [failing] and failing.status is RequestStatus.FINISHED_ERROR
+    assert failing.error == "boom" and not scheduler.kv.holds("err")
+    out = run_step(scheduler)
+    assert (out.scheduled[0].num_context_tokens, out.scheduled[0].num_new_tokens) == (0, 10)
+    assert_idle(scheduler)
 
-    def on_step_finished(self, output: SchedulerOutput) -> Sequence[str]:
-        self.seen.append([s.samples for s in output.scheduled])
-        return ()
+
+def test_loading_requests_count_against_max_num_seqs_and_are_never_preempted() -> None:
+    connector = RecordingConnector(remote={"d": 7})
+    scheduler = make_scheduler(connector=connector, max_num_seqs=1, num_blocks=4, block_size=4)
+    scheduler.add_request(make_request(8, max_tokens=8, request_id="d"))
+    scheduler.add_request(make_request(3, max_tokens=2, request_id="x", first_token_id=300))
+    assert run_step(scheduler).scheduled == ()  # x waits: d holds the only seat
+    assert scheduler.waiting[0].request_id == "x"
+    connector.loads_finished = [LoadResult("d", ok=True)]
+    run_until_done(scheduler)
+    assert_idle(scheduler)
 
 
-def test_connector_at_step_end_sees_which_entries_sampled() -> None:
-    connector = SamplesAtStepEnd()
+def test_abort_while_loading_keeps_blocks_the_connector_holds_until_released() -> None:
+    connector = RecordingConnector(remote={"d": 9}, hold=["d"])
     scheduler = make_scheduler(connector=connector)
-    scheduler.add_request(make_request(6, max_tokens=3))
-    at_schedule = []
-    while scheduler.has_unfinished():
-        out = scheduler.schedule()
-        at_schedule.append([s.samples for s in out.scheduled])
-        scheduler.update_from_output(out, [SAMPLED_TOKEN if s else None for s in at_schedule[-1]])
-    assert at_schedule == [[True], [True], [True]]
-    assert connector.seen == at_schedule
+    scheduler.add_request(make_request(10, max_tokens=2, request_id="d"))
+    run_step(scheduler)
+    blocks = scheduler.kv.block_ids("d")
+    scheduler.finish_requests(["d"], ABORTED)
+    assert connector.finished == [("d", ABORTED, blocks)]
+    assert scheduler.held == {"d"} and "d" not in scheduler.loading
+    connector.loads_finished = [LoadResult("d", ok=True)]  # the read ended: ignored result
+    connector.releasable = ["d"]
+    scheduler.tick()
+    assert scheduler.freed_held == ["d"]
+    assert_idle(scheduler)
+
+
+def test_a_preempted_request_is_recomputed_locally_after_its_load() -> None:
+    connector = RecordingConnector(remote={"d": 7})
+    scheduler = make_scheduler(connector=connector, num_blocks=6, block_size=4)
+    scheduler.add_request(make_request(4, max_tokens=8, request_id="x", first_token_id=300))
+    d = make_request(8, max_tokens=12, request_id="d")  # 5 blocks alone; with x: too many
+    scheduler.add_request(d)
+    run_step(scheduler)
+    connector.loads_finished = [LoadResult("d", ok=True)]  # d runs after x: preempted first
+    run_until_done(scheduler)
+    assert d.num_preemptions > 0
+    assert [n for rid, _, n in connector.admitted if rid == "d"] == [7] + [0] * d.num_preemptions
+    assert_idle(scheduler)
 
 
 # -- prefix cache ----------------------------------------------------------------------------

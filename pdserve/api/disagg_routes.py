@@ -1,0 +1,187 @@
+"""HTTP endpoints of P/D nodes: the control channel (`/kv/*`, prefill nodes; see
+`pdserve.disagg.control` for the messages) and the abort API (`/v1/abort_requests`, every
+node).
+
+Authentication. `/kv/*` calls need the cluster credential (`--cluster-secret`, default the
+API key) when the node has one, plus the handoff's release token in the body for anything
+that acts on a handoff. `/v1/abort_requests` takes the admin credential (the API key or
+the cluster secret: any request) or a `release_token` (the handoff it was minted for,
+only); without either the answer is 401, with a token for another handoff 403, and in both
+cases nothing is touched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pdserve.api.errors import error_response, from_exception
+from pdserve.disagg.handoff import HandoffTable, Outcome
+from pdserve.disagg.handoff_service import HandoffService
+from pdserve.errors import InvalidRequestError, PdserveError
+
+if TYPE_CHECKING:
+    from pdserve.api.server import ServerState
+
+MAX_CONTROL_BODY_BYTES = 1 << 20
+MAX_ABORT_IDS = 1024
+
+
+def disagg_routes(state: ServerState) -> list[Route]:
+    routes = [Route("/v1/abort_requests", _endpoint(state, abort_requests), methods=["POST"])]
+    if state.handoffs is not None:
+        routes += [
+            Route("/kv/handshake", _endpoint(state, handshake), methods=["GET"]),
+            Route("/kv/renew", _endpoint(state, renew), methods=["POST"]),
+            Route("/kv/claim", _endpoint(state, claim), methods=["POST"]),
+            Route("/kv/done", _endpoint(state, done), methods=["POST"]),
+            Route("/kv/failed", _endpoint(state, failed), methods=["POST"]),
+            Route("/kv/release", _endpoint(state, release), methods=["POST"]),
+        ]
+    return routes
+
+
+Handler = Callable[["ServerState", Request], Any]
+
+
+def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(state, request)
+        except PdserveError as e:
+            return from_exception(e)
+
+    return endpoint
+
+
+def is_admin(state: ServerState, request: Request) -> bool:
+    given = request.headers.get("authorization", "").encode()
+    keys = [k for k in (state.api_key, state.cluster_secret) if k]
+    return any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > MAX_CONTROL_BODY_BYTES:
+        raise InvalidRequestError("body too large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidRequestError("body must be a JSON object")
+    return data
+
+
+def _ref(data: Any) -> tuple[str, str, str | None]:
+    if not isinstance(data, dict):
+        raise InvalidRequestError("a handoff reference must be an object")
+    handoff_id, token, epoch = data.get("handoff_id"), data.get("release_token"), data.get("epoch")
+    if not isinstance(handoff_id, str) or not isinstance(token, str):
+        raise InvalidRequestError("handoff_id and release_token (strings) are required")
+    if epoch is not None and not isinstance(epoch, str):
+        raise InvalidRequestError("epoch must be a string")
+    return handoff_id, token, epoch
+
+
+def _service(state: ServerState) -> HandoffService:
+    assert state.handoffs is not None  # routes exist only on prefill nodes
+    return state.handoffs
+
+
+# -- control channel (prefill nodes) ---------------------------------------------------
+
+
+async def handshake(state: ServerState, request: Request) -> Response:
+    return JSONResponse(_service(state).handshake().as_json())
+
+
+async def renew(state: ServerState, request: Request) -> Response:
+    refs = (await _json(request)).get("handoffs")
+    if not isinstance(refs, list) or len(refs) > MAX_ABORT_IDS:
+        raise InvalidRequestError(f"handoffs must be a list of at most {MAX_ABORT_IDS} refs")
+    parsed = [_ref(r) for r in refs]
+    table = _service(state).table
+    return JSONResponse({"outcomes": [table.renew(*ref).value for ref in parsed]})
+
+
+async def claim(state: ServerState, request: Request) -> Response:
+    ref = _ref(await _json(request))
+    service = _service(state)
+    outcome = await service.apply(lambda t: t.claim(*ref))
+    return JSONResponse(
+        {"outcome": outcome.value, "claim_timeout_s": service.table.claim_timeout_s}
+    )
+
+
+async def done(state: ServerState, request: Request) -> Response:
+    return await _finish_read(state, request, ok=True)
+
+
+async def failed(state: ServerState, request: Request) -> Response:
+    return await _finish_read(state, request, ok=False)
+
+
+async def _finish_read(state: ServerState, request: Request, ok: bool) -> Response:
+    ref = _ref(await _json(request))
+    outcome = await _service(state).apply(lambda t: t.finish_read(*ref, ok=ok))
+    return JSONResponse({"outcome": outcome.value})
+
+
+async def release(state: ServerState, request: Request) -> Response:
+    data = await _json(request)
+    handoff_id, token, epoch = _ref(data)
+    reason = "rejected" if data.get("reason") == "rejected" else "released"
+
+    def act(table: HandoffTable) -> Outcome:
+        return table.release(handoff_id, token, epoch, reason=reason)
+
+    outcome = await _service(state).apply(act)
+    return JSONResponse({"outcome": outcome.value})
+
+
+# -- the abort API (every node) -----------------------------------------------------------
+
+
+async def abort_requests(state: ServerState, request: Request) -> Response:
+    admin = is_admin(state, request)
+    data = await _json(request)
+    ids, token = data.get("request_ids"), data.get("release_token")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+        raise InvalidRequestError(
+            "request_ids must be a non-empty list of ids", param="request_ids"
+        )
+    if len(ids) > MAX_ABORT_IDS:
+        raise InvalidRequestError(f"at most {MAX_ABORT_IDS} ids per call", param="request_ids")
+    if token is not None and not isinstance(token, str):
+        raise InvalidRequestError("release_token must be a string", param="release_token")
+    if not admin and not token:
+        return error_response(401, "the admin API key or a release token is required",
+                              "authentication_error")  # fmt: skip
+    if not admin and not _token_covers(state, ids, str(token)):
+        return error_response(403, "the release token does not cover every id",
+                              "permission_error")  # fmt: skip
+    results = {i: "not_found" for i in ids}
+    if state.handoffs is not None:
+        results.update(await state.handoffs.abort(ids, token if not admin else None, admin))
+    if admin:
+        for request_id in ids:
+            running = state.live.resolve(request_id)
+            if running:
+                await state.client.abort(sorted(running))
+                results[request_id] = "aborted"
+    return JSONResponse({"results": [{"id": i, "outcome": results[i]} for i in ids]})
+
+
+def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
+    """A release token acts on its own handoff only: every id must be a handoff id whose
+    token matches (unknown handoff ids are let through: they are answered `not_found`)."""
+    if state.handoffs is None:
+        return False
+    return all(state.handoffs.may_release(i, token) is not False for i in ids)

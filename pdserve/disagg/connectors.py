@@ -1,0 +1,355 @@
+"""The KV connectors of P/D nodes: what the role-agnostic scheduler calls on a prefill or a
+decode node. Both run in the engine process and own that process's `KVTransport`.
+
+Prefill node (`PrefillConnector`): a prefill leg (`RemoteDecode`) that finishes normally
+keeps its blocks pinned; the handoff table in the API process decides when they go (read
+done, release, abort, lease or claim deadline) and says so with an abort of the request,
+which `on_abort` turns into an immediate free. An aborted prefill leg holds nothing (S2).
+
+Decode node (`DecodeConnector`), for a request carrying `RemotePrefill`:
+
+    added ──▶ PENDING (lease renewed every lease/4 by the renew thread)
+                │ admitted with blocks
+                ▼
+              LOADING (worker thread: handshake → claim → NIXL READ → done/failed)
+                │ the read has ended (or never started)
+                ▼
+              ENDED ──▶ LoadResult to the scheduler (ok / recompute / error)
+
+    aborted while PENDING: release the handoff, free the blocks at once (S5).
+    aborted while LOADING: blocks stay held until the read has ended, then freed (S6).
+
+The decode node never reads before a successful claim, and stops trusting a read a
+margin before the claim deadline (invariant 3); a refused claim, an unreachable prefill
+node or a failed read means recompute (policy `recompute`) or fail (policy `fail`). A
+request loads at most once: after a preemption it recomputes locally (S21).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.disagg.control import ControlClient, ControlError, Handshake
+from pdserve.disagg.params import (
+    HandoffRef,
+    KVLayout,
+    RemoteDecode,
+    RemotePrefill,
+    model_fingerprint,
+)
+from pdserve.disagg.transport import KVTransport, ReadResult, create_transport
+from pdserve.engine.kv_connector import (
+    NO_EVENTS,
+    ConnectorEvents,
+    KVConnector,
+    LoadResult,
+    NoKVConnector,
+)
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+CLAIM_MARGIN_S = 1.0
+"""The decode node gives up on a read this long before the prefill node's claim deadline,
+so it never uses blocks the prefill node may already have freed."""
+NUM_LOAD_WORKERS = 4
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, transport: KVTransport) -> None:
+        self.transport = transport
+
+    def on_request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
+        finished_normally = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        )
+        return (
+            isinstance(request.kv_transfer, RemoteDecode) and finished_normally and bool(block_ids)
+        )
+
+    def on_abort(self, request_ids: Sequence[str]) -> Sequence[str]:
+        # Nothing here writes into held blocks: the decode node only reads them, and the
+        # handoff table sends the abort only once no claimed read can still be running.
+        return request_ids
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class LoadState(enum.Enum):
+    PENDING = "pending"
+    LOADING = "loading"
+    ENDED = "ended"
+
+
+@dataclass
+class _Load:
+    request_id: str
+    remote: RemotePrefill
+    state: LoadState = LoadState.PENDING
+    aborted: bool = False
+    claimed: bool = False
+    result: LoadResult | None = None
+    remote_block_ids: list[int] = field(default_factory=list)
+    local_block_ids: list[int] = field(default_factory=list)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(
+        self,
+        transport: KVTransport,
+        control: ControlClient,
+        layout: KVLayout,
+        block_size: int,
+        fail_on_load_error: bool = False,
+    ) -> None:
+        self.transport = transport
+        self.control = control
+        self.layout = layout
+        self.block_size = block_size
+        self.fail_on_load_error = fail_on_load_error
+        self._loads: dict[str, _Load] = {}
+        self._lock = threading.Lock()
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._peers: dict[str, Handshake] = {}
+        self._workers = ThreadPoolExecutor(NUM_LOAD_WORKERS, thread_name_prefix="kv-load")
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="kv-renew", daemon=True)
+        self._renewer.start()
+        self._transfers: list[tuple[int, float]] = []
+
+    # -- scheduler hooks (engine thread) ----------------------------------------------
+
+    def on_request_added(self, request: Request) -> None:
+        if isinstance(request.kv_transfer, RemotePrefill):
+            with self._lock:
+                self._loads[request.request_id] = _Load(request.request_id, request.kv_transfer)
+
+    def get_num_remote_tokens(self, request: Request, num_local_tokens: int) -> int:
+        load = self._loads.get(request.request_id)
+        if load is None or load.state is not LoadState.PENDING:
+            return 0
+        remote = load.remote
+        # The last prompt position is always recomputed here: its logits give the first
+        # output token (as in vLLM), so only the KV before it is loaded.
+        num_wanted = request.num_prompt_tokens - 1
+        num_remote_blocks_needed = -(-num_wanted // self.block_size)
+        if remote.num_tokens != request.num_prompt_tokens or len(remote.block_ids) < (
+            num_remote_blocks_needed
+        ):
+            return 0  # not this prompt's KV: recompute (on_admitted releases the handoff)
+        return max(0, num_wanted - num_local_tokens)
+
+    def on_admitted(self, request: Request, block_ids: Sequence[int], num_remote: int) -> None:
+        with self._lock:
+            load = self._loads.get(request.request_id)
+            if load is None or load.state is not LoadState.PENDING:
+                return
+            if num_remote == 0:  # all cached here, or not this prompt's KV: nothing to read
+                del self._loads[request.request_id]
+                self._send_release(load.remote, "not_needed")
+                return
+            first = request.num_computed_tokens // self.block_size
+            last = -(-(request.num_computed_tokens + num_remote) // self.block_size)
+            load.remote_block_ids = list(load.remote.block_ids[first:last])
+            load.local_block_ids = list(block_ids[first:last])
+            load.state = LoadState.LOADING
+        self._workers.submit(self._run_load, load)
+
+    def on_request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
+        with self._lock:
+            load = self._loads.get(request.request_id)
+            if load is None:
+                return False
+            load.aborted = True
+            if load.state is LoadState.LOADING:
+                return True  # a read may still land in these blocks: hold until it ended
+            del self._loads[request.request_id]
+            if load.state is LoadState.PENDING:
+                load.state = LoadState.ENDED
+                self._send_release(load.remote, "cancelled")
+            return False
+
+    def on_step_finished(self, output: object) -> ConnectorEvents:
+        if self._ended.empty():
+            return NO_EVENTS
+        results, releasable = [], []
+        with self._lock:
+            while not self._ended.empty():
+                load = self._loads.pop(self._ended.get(), None)
+                if load is None:
+                    continue
+                if load.aborted:
+                    releasable.append(load.request_id)
+                elif load.result is not None:
+                    results.append(load.result)
+        return ConnectorEvents(tuple(results), tuple(releasable))
+
+    def take_transfers(self) -> list[tuple[int, float]]:
+        """Reads completed since the last call, as (bytes, seconds), for the metrics."""
+        with self._lock:
+            taken, self._transfers = self._transfers, []
+        return taken
+
+    # -- the load (worker threads) ----------------------------------------------------
+
+    def _run_load(self, load: _Load) -> None:
+        try:
+            result = self._load(load)
+        except Exception as e:  # never let a worker die silently with blocks held
+            logger.exception("load of handoff %s failed unexpectedly", load.remote.ref.handoff_id)
+            result = self._failure(load, f"unexpected error: {e}")
+        with self._lock:
+            self._end(load, result)
+
+    def _load(self, load: _Load) -> LoadResult:
+        remote, ref = load.remote, load.remote.ref
+        try:
+            peer = self._handshake(remote)
+        except ControlError as e:
+            self._send_release(remote, "rejected")
+            return self._failure(load, f"prefill node unreachable: {e}")
+        mismatch = self.layout.mismatch(peer.layout)
+        if mismatch is not None:
+            self._send_release(remote, "rejected")
+            return LoadResult(
+                load.request_id, ok=False, error=f"incompatible prefill node: {mismatch}"
+            )
+        if load.aborted:
+            self._send_release(remote, "cancelled")
+            return self._failure(load, "aborted before the claim")
+        claim_sent_s = time.monotonic()
+        try:
+            outcome, claim_timeout_s = self.control.claim(remote.control_url, ref)
+        except ControlError as e:
+            # Unknown whether the claim landed: never read; the prefill node frees the
+            # handoff at its claim deadline or lease end (fail closed, S12).
+            return self._failure(load, f"claim failed: {e}")
+        if outcome != "ok":
+            return self._failure(load, f"claim refused ({outcome})")
+        load.claimed = True
+        budget_s = claim_timeout_s - CLAIM_MARGIN_S - (time.monotonic() - claim_sent_s)
+        read = self._read(load, peer, budget_s)
+        try:
+            self.control.finish_read(remote.control_url, ref, read.ok)
+        except ControlError as e:
+            logger.warning("could not report the read of %s: %s", ref.handoff_id, e)
+        if not read.ok:
+            return self._failure(load, f"KV read failed: {read.error}")
+        return LoadResult(load.request_id, ok=True)
+
+    def _read(self, load: _Load, peer: Handshake, budget_s: float) -> ReadResult:
+        if budget_s <= 0:
+            return ReadResult(False, 0, 0.0, "no time left before the claim deadline")
+        future = self.transport.read(
+            peer.transport, load.remote_block_ids, load.local_block_ids, timeout_s=budget_s
+        )
+        result = future.result()  # completes only once the read has ended (transport contract)
+        if result.ok:
+            with self._lock:
+                self._transfers.append((result.num_bytes, result.seconds))
+        return result
+
+    def _handshake(self, remote: RemotePrefill) -> Handshake:
+        peer = self._peers.get(remote.control_url)
+        if peer is None or (remote.ref.epoch is not None and peer.epoch != remote.ref.epoch):
+            # New node, or it restarted: fetch again (a stale epoch is refused at claim).
+            if peer is not None:
+                self.transport.forget_peer(peer.transport.agent_name)
+            peer = self.control.handshake(remote.control_url)
+            self._peers[remote.control_url] = peer
+        return peer
+
+    def _failure(self, load: _Load, reason: str) -> LoadResult:
+        logger.warning("remote KV load for %s: %s", load.request_id, reason)
+        if self.fail_on_load_error:
+            return LoadResult(load.request_id, ok=False, error=reason)
+        return LoadResult(load.request_id, ok=False)
+
+    def _end(self, load: _Load, result: LoadResult) -> None:
+        """Under the lock: the load is over; the engine thread picks it up next step."""
+        load.state, load.result = LoadState.ENDED, result
+        self._ended.put(load.request_id)
+
+    # -- control messages ----------------------------------------------------------
+
+    def _send_release(self, remote: RemotePrefill, reason: str) -> None:
+        self._workers.submit(self._release, remote, reason)
+
+    def _release(self, remote: RemotePrefill, reason: str) -> None:
+        try:
+            self.control.release(remote.control_url, remote.ref, reason)
+        except ControlError as e:  # the lease frees it anyway
+            logger.warning("release of %s failed: %s", remote.ref.handoff_id, e)
+
+    def _renew_loop(self) -> None:
+        while True:
+            with self._lock:
+                pending = [ld.remote for ld in self._loads.values() if not ld.claimed
+                           and ld.state is not LoadState.ENDED]  # fmt: skip
+            period_s = min((r.lease_s for r in pending), default=5.0) / 4
+            by_node: dict[str, list[HandoffRef]] = {}
+            for remote in pending:
+                by_node.setdefault(remote.control_url, []).append(remote.ref)
+            for url, refs in by_node.items():
+                try:
+                    self.control.renew(url, refs)
+                except ControlError as e:
+                    logger.warning("lease renewal to %s failed: %s", url, e)
+            if self._stop.wait(max(0.05, period_s)):
+                return
+
+    def close(self) -> None:
+        """Stop renewing; wait for reads and releases in flight (they are bounded by the
+        claim deadline and the control timeout)."""
+        self._stop.set()
+        self._workers.shutdown(wait=True)
+        self._renewer.join(timeout=5)
+        self.control.close()
+        self.transport.close()
+
+
+def kv_layout(loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> KVLayout:
+    arch = loaded.arch
+    return KVLayout(
+        model_fingerprint=model_fingerprint(loaded.model, repr(arch)),
+        dtype=str(kv_cache.dtype).removeprefix("torch."),
+        block_size=block_size,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        block_bytes=kv_cache.stride(0) * kv_cache.element_size(),
+    )
+
+
+def create_connector(
+    config: EngineConfig, loaded: LoadedModel, kv_cache: torch.Tensor
+) -> KVConnector:
+    """The connector for this node's role (in the engine process, once the KV pool exists)."""
+    kv = config.kv_transfer
+    if kv.role == "both":
+        return NoKVConnector()
+    name = f"pdserve-{kv.role}-{secrets.token_hex(6)}"  # new per start: never merged with a
+    transport = create_transport(kv.transport, name, kv_cache)  # predecessor's metadata
+    if kv.role == "prefill":
+        return PrefillConnector(transport)
+    return DecodeConnector(
+        transport,
+        ControlClient(kv.cluster_secret),
+        kv_layout(loaded, kv_cache, config.cache.block_size),
+        config.cache.block_size,
+        fail_on_load_error=kv.kv_load_failure == "fail",
+    )

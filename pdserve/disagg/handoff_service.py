@@ -1,0 +1,183 @@
+"""The prefill node's handoff service, in the API process: the `HandoffTable`, its sweep,
+and the link to the engine that frees released handoffs' blocks.
+
+Why here and not in the engine process: control messages (claim, renew, release, abort)
+are answered at once, even while the engine is in a long prefill step; the engine only
+ever hears "free this request's blocks" (an abort of the request id), applied before its
+next step. Life of a handoff through this service:
+
+    prefill leg admitted ─▶ begin()          (PREFILLING; an abort now aborts the request)
+    its one token out    ─▶ commit(output)   (HELD with the engine's pinned block ids, or
+                                               freed at once if a release won the race, S2)
+    claim/renew/done/failed/release/abort    (table transitions, answered immediately)
+    every SWEEP_INTERVAL_S ─▶ sweep()        (lease and claim deadlines)
+    any release          ─▶ _flush()         (engine abort → blocks freed; the engine's
+                                               `freed_held` report closes the timing)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.disagg.control import Handshake
+from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable, Outcome
+from pdserve.disagg.params import KVTransferParams
+from pdserve.engine.async_client import AsyncEngineClient
+from pdserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class ReleaseObserver:
+    """Metrics hooks: a handoff ended (reason), and its blocks were free after `seconds`."""
+
+    released: Callable[[str], None]
+    freed: Callable[[float], None]
+
+
+class HandoffService:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        host: str,
+        port: int,
+        lease_s: float,
+        claim_timeout_s: float,
+        observer: ReleaseObserver | None = None,
+    ) -> None:
+        self.client = client
+        self.host, self.port = host, port
+        self.table = HandoffTable(lease_s=lease_s, claim_timeout_s=claim_timeout_s)
+        self.engine_id = f"pdserve-prefill-{secrets.token_hex(6)}"
+        self.observer = observer
+        self._freeing: dict[str, float] = {}
+        """Request id → when its release was triggered, until the engine reports it freed."""
+        client.on_freed_held = self._on_freed
+
+    # -- the prefill leg -------------------------------------------------------------
+
+    def begin(self, request_id: str, client_request_id: str = "") -> Handoff:
+        return self.table.begin(request_id, client_request_id)
+
+    async def commit(self, handoff: Handoff, output: RequestOutput) -> bool:
+        """The leg's final output: pin its blocks under the handoff. False when the
+        handoff was released meanwhile (its blocks are then freed)."""
+        outcome = Outcome.UNKNOWN
+        if output.held_block_ids and not output.error:
+            outcome = self.table.hold(
+                handoff.handoff_id, output.held_block_ids, len(output.prompt_token_ids)
+            )
+        if outcome is not Outcome.OK:
+            self.table.release(handoff.handoff_id, None, admin=True, reason="aborted")
+            await self._flush()
+            await self.client.abort([handoff.request_id])  # frees whatever the engine kept
+        return outcome is Outcome.OK
+
+    async def cancel(self, handoff: Handoff) -> None:
+        """The prefill leg ended without a response (client gone, error): nothing held."""
+        self.table.release(handoff.handoff_id, None, admin=True, reason="aborted")
+        await self._flush()
+
+    def transfer_params(self, handoff: Handoff, output: RequestOutput) -> KVTransferParams:
+        tokens = output.outputs[0].token_ids if output.outputs else []
+        return KVTransferParams(
+            do_remote_prefill=True, do_remote_decode=False,
+            remote_engine_id=self.engine_id, remote_request_id=handoff.handoff_id,
+            remote_block_ids=list(handoff.block_ids), remote_host=self.host,
+            remote_port=self.port, remote_num_tokens=handoff.num_tokens,
+            epoch=self.table.epoch, release_token=handoff.release_token,
+            lease_s=self.table.lease_s, first_token_id=tokens[0] if tokens else None,
+        )  # fmt: skip
+
+    # -- control messages ------------------------------------------------------------
+
+    def handshake(self) -> Handshake:
+        return Handshake(
+            self.engine_id, self.table.epoch, self.client.kv_layout, self.client.kv_transport
+        )
+
+    async def apply(self, action: Callable[[HandoffTable], Outcome]) -> Outcome:
+        """Run one table transition and free whatever it released."""
+        outcome = action(self.table)
+        await self._flush()
+        return outcome
+
+    async def abort(self, ids: list[str], token: str | None, admin: bool) -> dict[str, str]:
+        """`POST /v1/abort_requests` on a prefill node: release handoffs (by handoff id,
+        server request id or X-Request-Id) and abort their running prefill legs."""
+        results: dict[str, str] = {}
+        for request_id in ids:
+            handoff = self.table.get(request_id)
+            handoffs = [handoff] if handoff else self.table.by_request(request_id)
+            if not handoffs:
+                continue
+            outcomes = [self.table.release(h.handoff_id, token, admin=admin, reason="aborted")
+                        for h in handoffs]  # fmt: skip
+            results[request_id] = _abort_outcome(outcomes)
+        await self._flush()
+        return results
+
+    def may_release(self, handoff_id: str, token: str) -> bool | None:
+        """Token check for the abort API: None when the handoff is unknown."""
+        handoff = self.table.get(handoff_id)
+        if handoff is None:
+            return None
+        return secrets.compare_digest(token.encode(), handoff.release_token.encode())
+
+    # -- time and freeing ------------------------------------------------------------
+
+    async def run_sweeper(self) -> None:
+        while True:
+            self.table.sweep()
+            await self._flush()
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
+    async def _flush(self) -> None:
+        released = self.table.take_released()
+        for handoff in released:
+            logger.info("handoff %s (request %s) released: %s",
+                        handoff.handoff_id, handoff.request_id, handoff.release_reason)  # fmt: skip
+            if self.observer:
+                self.observer.released(handoff.release_reason)
+            if handoff.block_ids:
+                self._freeing[handoff.request_id] = time.monotonic()
+        if released:
+            await self.client.abort([h.request_id for h in released])
+
+    def _on_freed(self, request_ids: list[str]) -> None:
+        now = time.monotonic()
+        for request_id in request_ids:
+            started = self._freeing.pop(request_id, None)
+            if started is not None and self.observer:
+                self.observer.freed(now - started)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        rows = []
+        for h in self.table.live():
+            deadline = h.claim_deadline_s if h.state is HandoffState.CLAIMED else h.lease_deadline_s
+            rows.append({
+                "handoff_id": h.handoff_id, "request_id": h.request_id,
+                "client_request_id": h.client_request_id, "state": h.state.value,
+                "num_blocks": len(h.block_ids), "num_tokens": h.num_tokens,
+                "age_s": round(now - h.created_s, 3),
+                "time_left_s": round(deadline - now, 3) if deadline else None,
+            })  # fmt: skip
+        return rows
+
+
+def _abort_outcome(outcomes: list[Outcome]) -> str:
+    if any(o in (Outcome.OK, Outcome.DEFERRED) for o in outcomes):
+        return "released"  # DEFERRED: freed when the claimed read ends (≤ claim deadline)
+    if any(o is Outcome.ALREADY_RELEASED for o in outcomes):
+        return "already_released"
+    return "not_found"

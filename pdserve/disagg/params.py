@@ -1,0 +1,129 @@
+"""`kv_transfer_params`: what the two legs of a P/D request say about the prompt's KV.
+
+At the HTTP edge they use vLLM's field names (so existing P/D proxies can drive pdserve
+nodes) plus pdserve's own; inside the engine they become one of two frozen types that
+ride on the request for the KV connector:
+
+    prefill leg  {"do_remote_decode": true}                    → RemoteDecode
+    its answer   {"do_remote_prefill": true, "remote_*": …,
+                  "epoch", "release_token", "lease_s", …}      (built by the prefill node)
+    decode leg   that answer, passed through by the proxy      → RemotePrefill
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.errors import InvalidRequestError
+
+
+class KVTransferParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    # vLLM's fields
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    """The handoff id on the prefill node."""
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_num_tokens: int | None = None
+    # pdserve's fields
+    epoch: str | None = None
+    release_token: str | None = None
+    lease_s: float | None = None
+    first_token_id: int | None = None
+    """The token the prefill leg sampled (informational: the decode node samples its own
+    first token after recomputing the last prompt position, as vLLM's does)."""
+
+
+@dataclass(frozen=True)
+class RemoteDecode:
+    """Prefill leg: keep the prompt's KV pinned for a remote decode node."""
+
+
+@dataclass(frozen=True)
+class HandoffRef:
+    """What every control message about one handoff carries."""
+
+    handoff_id: str
+    release_token: str
+    epoch: str | None = None
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"handoff_id": self.handoff_id, "release_token": self.release_token,
+                "epoch": self.epoch}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Decode leg: the prompt's KV sits in `block_ids` on the prefill node at `control_url`."""
+
+    ref: HandoffRef
+    engine_id: str
+    control_url: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    lease_s: float
+
+
+def remote_prefill_from(params: KVTransferParams) -> RemotePrefill:
+    """Validate a decode leg's params; a missing field is a 400 naming it."""
+    required = ("remote_request_id", "remote_block_ids", "remote_host", "remote_port",
+                "remote_num_tokens", "release_token")  # fmt: skip
+    missing = [name for name in required if getattr(params, name) is None]
+    if missing:
+        raise InvalidRequestError(
+            f"kv_transfer_params for a decode leg lack {', '.join(missing)}",
+            param="kv_transfer_params",
+        )
+    assert params.remote_block_ids is not None and params.remote_num_tokens is not None
+    if params.remote_num_tokens < 1 or any(b < 0 for b in params.remote_block_ids):
+        raise InvalidRequestError(
+            "kv_transfer_params: remote_num_tokens must be >= 1 and block ids >= 0",
+            param="kv_transfer_params",
+        )
+    return RemotePrefill(
+        ref=HandoffRef(str(params.remote_request_id), str(params.release_token), params.epoch),
+        engine_id=params.remote_engine_id or "",
+        control_url=f"http://{params.remote_host}:{params.remote_port}",
+        block_ids=tuple(params.remote_block_ids),
+        num_tokens=params.remote_num_tokens,
+        lease_s=params.lease_s or 5.0,
+    )
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two nodes must share for one to read the other's blocks (checked at handshake)."""
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_bytes: int
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A readable description of the first difference, or None when compatible."""
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} differs (this node: {mine}, prefill node: {theirs})"
+        return None
+
+
+def model_fingerprint(model: torch.nn.Module, arch_repr: str) -> str:
+    """Shapes plus a sample of the weights: equal only for the same model and weights."""
+    h = hashlib.blake2b(arch_repr.encode(), digest_size=8)
+    for name, tensor in sorted(model.state_dict().items())[:4]:
+        h.update(name.encode())
+        h.update(tensor.flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
