@@ -87,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_load_failure=args.kv_load_failure,
         transport=args.kv_transport,
         cluster_secret=args.cluster_secret or envs.cluster_secret() or api_key,
+        debug_read_delay_s=args.debug_kv_read_delay_s,
     )
     client = AsyncEngineClient(config)
     name = args.served_model_name or args.model
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: what to do when a claim is refused or a read fails",
     )  # fmt: skip
     pd.add_argument("--kv-transport", default="nixl", choices=["nixl", "inprocess"])
+    pd.add_argument("--debug-kv-read-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     pd.add_argument(
         "--cluster-secret", default=None,
         help="bearer credential between nodes (or PDSERVE_CLUSTER_SECRET; default: the API key)",

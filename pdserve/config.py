@@ -109,10 +109,14 @@ class KVTransferConfig:
     """`nixl` (NIXL over UCX, the real data plane) or `inprocess` (unit tests only)."""
     cluster_secret: str | None = None
     """Bearer credential for node-to-node control calls; default: the node's API key."""
+    debug_read_delay_s: float = 0.0
+    """Testing only: a decode node waits this long between a granted claim and its read,
+    to open the "claimed, reading" window (S6, S10) wide enough to hit on purpose."""
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
+        _require(self.debug_read_delay_s >= 0, "debug_read_delay_s must be >= 0")
         _require(
             self.claim_timeout_s > 1,
             f"claim_timeout_s must be > 1 s (the decode node keeps a margin), "

@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NIXL/UCX in tests: bind loopback only; skip the InfiniBand module (it can crash at exit
+# on machines with ibverbs providers installed). Subprocesses inherit these.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")

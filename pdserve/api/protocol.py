@@ -39,6 +39,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: choices carry `token_ids` (and the response `prompt_token_ids`)."""
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

@@ -19,6 +19,7 @@ class ChoiceBuilder:
     chat: bool
     model: str
     include_usage: bool
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _roles_sent: set[int] = field(default_factory=set)
     _last: RequestOutput | None = None
@@ -38,6 +39,7 @@ class ChoiceBuilder:
             chat=chat,
             model=model,
             include_usage=body.include_usage,
+            return_token_ids=body.return_token_ids,
         )
 
     @property
@@ -62,7 +64,10 @@ class ChoiceBuilder:
 
     def full_response(self, output: RequestOutput) -> dict[str, Any]:
         choices = [self._full_choice(c) for c in output.outputs]
-        return {**self._envelope(choices, chunk=False), "usage": self.usage(output)}
+        response = {**self._envelope(choices, chunk=False), "usage": self.usage(output)}
+        if self.return_token_ids:
+            response["prompt_token_ids"] = list(output.prompt_token_ids)
+        return response
 
     def _full_choice(self, c: CompletionOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
@@ -73,6 +78,8 @@ class ChoiceBuilder:
             choice["text"] = c.text
             choice["logprobs"] = _completion_logprobs(c.logprobs)
             choice["stop_reason"] = c.stop_reason
+        if self.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
         return choice
 
     def stream_chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
@@ -80,7 +87,8 @@ class ChoiceBuilder:
         self._last = output
         chunks = []
         for c in output.outputs:
-            if not (c.delta_text or c.finished or (self.chat and c.index not in self._roles_sent)):
+            news = c.delta_text or (self.return_token_ids and c.delta_token_ids)
+            if not (news or c.finished or (self.chat and c.index not in self._roles_sent)):
                 continue
             choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
             new_logprobs = (
@@ -96,6 +104,8 @@ class ChoiceBuilder:
             else:
                 choice["text"] = c.delta_text
                 choice["logprobs"] = _completion_logprobs(new_logprobs)
+            if self.return_token_ids:
+                choice["token_ids"] = list(c.delta_token_ids)
             chunks.append(self._envelope([choice], chunk=True))
         return chunks
 

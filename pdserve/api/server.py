@@ -413,7 +413,9 @@ async def _serve_prefill_leg(
         await service.cancel(handoff)
         state.metrics.request_failed(f"http_{e.http_status}")
         return from_exception(e)
-    if final is None:  # client gone (S1/S2): the engine request was aborted
+    if final is None or await request.is_disconnected():
+        # Client gone before its answer (S1/S2): nothing stays held. If it leaves after
+        # this check, while the answer is in flight, the lease frees the handoff.
         await service.cancel(handoff)
         return Response(status_code=499)
     answer = builder.full_response(final)

@@ -115,12 +115,14 @@ class DecodeConnector(KVConnector):
         layout: KVLayout,
         block_size: int,
         fail_on_load_error: bool = False,
+        debug_read_delay_s: float = 0.0,
     ) -> None:
         self.transport = transport
         self.control = control
         self.layout = layout
         self.block_size = block_size
         self.fail_on_load_error = fail_on_load_error
+        self.debug_read_delay_s = debug_read_delay_s
         self._loads: dict[str, _Load] = {}
         self._lock = threading.Lock()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -241,6 +243,8 @@ class DecodeConnector(KVConnector):
         if outcome != "ok":
             return self._failure(load, f"claim refused ({outcome})")
         load.claimed = True
+        if self.debug_read_delay_s:
+            time.sleep(self.debug_read_delay_s)
         budget_s = claim_timeout_s - CLAIM_MARGIN_S - (time.monotonic() - claim_sent_s)
         read = self._read(load, peer, budget_s)
         try:
@@ -352,4 +356,5 @@ def create_connector(
         kv_layout(loaded, kv_cache, config.cache.block_size),
         config.cache.block_size,
         fail_on_load_error=kv.kv_load_failure == "fail",
+        debug_read_delay_s=kv.debug_read_delay_s,
     )

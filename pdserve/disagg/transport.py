@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import base64
+import dataclasses
 import logging
 import math
 import operator
@@ -85,28 +86,19 @@ class TransportInfo:
 
     def to_json_dict(self) -> dict[str, Any]:
         """A JSON-able dict, `agent_metadata` base64-encoded."""
-        return {
-            "agent_name": self.agent_name,
-            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
-            "base_addr": self.base_addr,
-            "block_bytes": self.block_bytes,
-            "num_blocks": self.num_blocks,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-        }
+        metadata = base64.b64encode(self.agent_metadata).decode("ascii")
+        return {**dataclasses.asdict(self), "agent_metadata": metadata}
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> TransportInfo:
         """Inverse of `to_json_dict`; raises KeyError/ValueError/TypeError on a bad dict."""
-        return cls(
-            agent_name=str(data["agent_name"]),
-            agent_metadata=base64.b64decode(data["agent_metadata"], validate=True),
-            base_addr=int(data["base_addr"]),
-            block_bytes=int(data["block_bytes"]),
-            num_blocks=int(data["num_blocks"]),
-            mem_type=str(data["mem_type"]),
-            device_id=int(data["device_id"]),
-        )
+        kwargs = {f.name: data[f.name] for f in dataclasses.fields(cls)}
+        kwargs["agent_metadata"] = base64.b64decode(data["agent_metadata"], validate=True)
+        info = cls(**kwargs)
+        numbers = (info.base_addr, info.block_bytes, info.num_blocks, info.device_id)
+        if not all(type(n) is int for n in numbers):
+            raise TypeError(f"TransportInfo fields must be integers: {numbers}")
+        return info
 
 
 @dataclass(frozen=True)
@@ -132,6 +124,9 @@ class _ReadRequest:
     @property
     def deadline_s(self) -> float:
         return self.start_s + self.timeout_s
+
+    def __str__(self) -> str:  # for log lines
+        return f"READ of {len(self.local_block_ids)} blocks from {self.peer.agent_name}"
 
 
 def _completed(result: ReadResult) -> Future[ReadResult]:
@@ -205,9 +200,10 @@ class KVTransport(abc.ABC):
           reports its end (an owner that dies ends it). A caller that must move on sooner
           can stop waiting and recompute into *other* blocks, freeing these from the
           future's done-callback. The future cannot be cancelled.
-        - `ok=True` only if DONE was observed within `timeout_s` of this call, so a
-          successful read never overlaps the owner's claim deadline when `timeout_s` is
-          shorter than it. A read that finished late is `ok=False`.
+        - `ok=True` only if DONE was observed within `timeout_s` of this call. Choose
+          `timeout_s` to end before the owner's claim deadline, and a successful read
+          never read blocks that the owner might already have freed. A READ that ends
+          late gives `ok=False`, even though its data arrived.
         - Done-callbacks run on the transport's thread: keep them short (what
           `asyncio.wrap_future` adds is fine).
         """
@@ -312,7 +308,7 @@ class _ForgetRequest:
     agent_name: str
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` and `remove` must not compare fields
 class _InFlightRead:
     request: _ReadRequest
     peer: _Peer  # the connection it was posted on (a re-added peer is a new _Peer)
@@ -332,6 +328,10 @@ class NixlTransport(KVTransport):
         close_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(agent_name, kv_cache)
+        if not (poll_s > 0 and close_timeout_s >= 0):
+            raise ValueError(
+                f"need poll_s > 0 and close_timeout_s >= 0: {poll_s}, {close_timeout_s}"
+            )
         api = _import_nixl()
         self.poll_s = poll_s
         self.close_timeout_s = close_timeout_s
@@ -399,7 +399,8 @@ class NixlTransport(KVTransport):
             self._destroy_agent()
             # Only now: with the UCX worker gone, nothing can land in their blocks.
             for request in unfinished:
-                self._finish(request, False, "transport closed before the READ ended")
+                if not request.future.done():
+                    self._finish(request, False, "transport closed before the READ ended")
 
     def _step(self) -> None:
         self._take_commands()
@@ -432,7 +433,9 @@ class NixlTransport(KVTransport):
         self._waiting = still_waiting
 
     def _try_start(self, command: _ReadRequest | _ForgetRequest) -> bool:
-        """Start a command; False if it must wait for the peer's in-flight reads to end."""
+        """Start a command; False if it must wait for the peer's in-flight reads to end.
+        Never remove a peer under them: NIXL would report them failed (NOT_FOUND) while
+        their data can still land."""
         if isinstance(command, _ForgetRequest):
             peer = self._peers.get(command.agent_name)
             if peer is not None and peer.num_in_flight:
@@ -449,16 +452,25 @@ class NixlTransport(KVTransport):
         return True
 
     def _post(self, request: _ReadRequest) -> None:
-        name = request.peer.agent_name
+        peer = request.peer
         try:
-            self._ensure_peer(request.peer)
+            self._ensure_peer(peer)
+            local = _block_descs(
+                self.base_addr, self.block_bytes, request.local_block_ids, self.device_id
+            )
+            remote = _block_descs(
+                peer.base_addr, peer.block_bytes, request.remote_block_ids, peer.device_id
+            )
             handle = self._agent.initialize_xfer(
-                "READ", self._local_descs(request), self._remote_descs(request), name
+                "READ",
+                self._agent.get_xfer_descs(local, self.mem_type),
+                self._agent.get_xfer_descs(remote, peer.mem_type),
+                peer.agent_name,
             )
         except Exception as e:
             self._finish(request, False, f"could not set up the READ: {_error_text(e)}")
             return
-        read = _InFlightRead(request, self._peers[name], handle)
+        read = _InFlightRead(request, self._peers[peer.agent_name], handle)
         read.peer.num_in_flight += 1
         try:
             state = self._agent.transfer(handle)  # with cma the whole copy runs in here
@@ -493,19 +505,6 @@ class NixlTransport(KVTransport):
             )
         logger.debug("NIXL %s: removed peer %s", self.agent_name, agent_name)
 
-    def _local_descs(self, request: _ReadRequest) -> Any:
-        descs = _block_descs(
-            self.base_addr, self.block_bytes, request.local_block_ids, self.device_id
-        )
-        return self._agent.get_xfer_descs(descs, self.mem_type)
-
-    def _remote_descs(self, request: _ReadRequest) -> Any:
-        peer = request.peer
-        descs = _block_descs(
-            peer.base_addr, peer.block_bytes, request.remote_block_ids, peer.device_id
-        )
-        return self._agent.get_xfer_descs(descs, peer.mem_type)
-
     def _poll_in_flight(self) -> None:
         for read in list(self._in_flight):
             try:
@@ -525,12 +524,9 @@ class NixlTransport(KVTransport):
         elif late and not read.warned_late:
             read.warned_late = True
             logger.warning(
-                "NIXL %s: READ of %d blocks from %s is past its %.3f s deadline; "
-                "its blocks stay busy until NIXL reports its end",
+                "NIXL %s: %s is past its deadline; its blocks stay busy until it ends",
                 self.agent_name,
-                len(read.request.local_block_ids),
-                read.request.peer.agent_name,
-                read.request.timeout_s,
+                read.request,
             )
 
     def _end(self, read: _InFlightRead, ok: bool, error: str) -> None:
@@ -550,21 +546,10 @@ class NixlTransport(KVTransport):
         num_bytes = len(request.local_block_ids) * self.block_bytes if ok else 0
         request.future.set_result(ReadResult(ok, num_bytes, seconds, error))
         if ok:
-            logger.debug(
-                "NIXL %s: read %d blocks from %s in %.1f ms",
-                self.agent_name,
-                len(request.local_block_ids),
-                request.peer.agent_name,
-                seconds * 1e3,
-            )
+            logger.debug("NIXL %s: %s took %.1f ms", self.agent_name, request, seconds * 1e3)
         else:
             logger.warning(
-                "NIXL %s: read of %d blocks from %s failed after %.3f s: %s",
-                self.agent_name,
-                len(request.local_block_ids),
-                request.peer.agent_name,
-                seconds,
-                error,
+                "NIXL %s: %s failed after %.3f s: %s", self.agent_name, request, seconds, error
             )
 
     def _poll_notifs(self) -> None:
@@ -690,14 +675,16 @@ class InProcessTransport(KVTransport):
         thread.start()
 
     def _copy(self, request: _ReadRequest, delay_s: float, inject_failure: bool) -> None:
-        time.sleep(delay_s)
-        error = "injected failure" if inject_failure else self._copy_blocks(request)
-        seconds = time.monotonic() - request.start_s
-        if not error and seconds > request.timeout_s:
-            error = f"timed out after {request.timeout_s:.3f}s (copy ended late)"
-        num_bytes = 0 if error else len(request.local_block_ids) * self.block_bytes
-        request.future.set_result(ReadResult(not error, num_bytes, seconds, error))
-        self._threads.remove(threading.current_thread())
+        try:
+            time.sleep(delay_s)
+            error = "injected failure" if inject_failure else self._copy_blocks(request)
+            seconds = time.monotonic() - request.start_s
+            if not error and seconds > request.timeout_s:
+                error = f"READ completed after the deadline ({request.timeout_s:.3f}s)"
+            num_bytes = 0 if error else len(request.local_block_ids) * self.block_bytes
+            request.future.set_result(ReadResult(not error, num_bytes, seconds, error))
+        finally:
+            self._threads.remove(threading.current_thread())
 
     def _copy_blocks(self, request: _ReadRequest) -> str:
         try:

@@ -34,6 +34,7 @@ from pdserve.engine.core_messages import (
 )
 from pdserve.engine.engine import LLMEngine, user_request_id
 from pdserve.errors import PdserveError
+from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     last_stats = None
     while True:
         errors: list[RequestError] = []
+        outputs: list[RequestOutput] = []
         if inbox.poll(_poll_ms(engine)):
             while True:
                 try:
@@ -112,8 +114,8 @@ def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                 if isinstance(message, Shutdown):
                     engine.abort(list(engine.outputs.request_ids()))
                     return
-                errors.extend(_handle(engine, message))
-        outputs = engine.step() if engine.has_unfinished() else engine.tick()
+                _handle(engine, message, outputs, errors)
+        outputs += engine.step() if engine.has_unfinished() else engine.tick()
         stats = engine_stats(engine)
         freed = [user_request_id(r) for r in engine.scheduler.freed_held]
         engine.scheduler.freed_held.clear()
@@ -129,13 +131,17 @@ def _take_transfers(engine: LLMEngine) -> list[tuple[int, float]]:
     return take() if take is not None else []
 
 
-def _handle(engine: LLMEngine, message: Any) -> list[RequestError]:
+def _handle(
+    engine: LLMEngine, message: Any, outputs: list[RequestOutput], errors: list[RequestError]
+) -> None:
+    """Apply one message; aborted requests' final outputs and refusals go to the lists (a
+    caller may still be waiting for them: the abort API aborts others' requests)."""
     if isinstance(message, AbortRequests):
-        engine.abort(list(message.request_ids))
-        return []
+        outputs += engine.abort(list(message.request_ids))
+        return
     if not isinstance(message, AddRequest):
         logger.warning("ignoring unknown message %r", type(message).__name__)
-        return []
+        return
     try:
         prompt = message.prompt
         if message.messages is not None:
@@ -148,5 +154,6 @@ def _handle(engine: LLMEngine, message: Any) -> list[RequestError]:
             prompt, message.params, request_id=message.request_id, kv_transfer=message.kv_transfer
         )
     except PdserveError as e:
-        return [RequestError(message.request_id, e.http_status, e.message, e.error_type, e.param)]
-    return []
+        errors.append(
+            RequestError(message.request_id, e.http_status, e.message, e.error_type, e.param)
+        )

@@ -33,9 +33,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(*extra: str, on_health: Callable[[int], None] | None = None) -> Server:
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING"}
+def start_server(
+    *extra: str,
+    on_health: Callable[[int], None] | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Server:
+    port = port or free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING", **(env or {})}
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen([*cmd, *extra], env=env)
     url = f"http://127.0.0.1:{port}"
