@@ -144,16 +144,11 @@ class DecodeConnector(KVConnector):
         load = self._loads.get(request.request_id)
         if load is None or load.state is not LoadState.PENDING:
             return 0
-        remote = load.remote
+        if load.remote.num_tokens != request.num_prompt_tokens:
+            return 0  # not this prompt's KV: recompute (on_admitted releases the handoff)
         # The last prompt position is always recomputed here: its logits give the first
         # output token (as in vLLM), so only the KV before it is loaded.
-        num_wanted = request.num_prompt_tokens - 1
-        num_remote_blocks_needed = -(-num_wanted // self.block_size)
-        if remote.num_tokens != request.num_prompt_tokens or len(remote.block_ids) < (
-            num_remote_blocks_needed
-        ):
-            return 0  # not this prompt's KV: recompute (on_admitted releases the handoff)
-        return max(0, num_wanted - num_local_tokens)
+        return max(0, request.num_prompt_tokens - 1 - num_local_tokens)
 
     def on_admitted(self, request: Request, block_ids: Sequence[int], num_remote: int) -> None:
         with self._lock:
@@ -225,6 +220,8 @@ class DecodeConnector(KVConnector):
             self._send_release(remote, "rejected")
             return self._failure(load, f"prefill node unreachable: {e}")
         mismatch = self.layout.mismatch(peer.layout)
+        if mismatch is None and len(load.remote_block_ids) != len(load.local_block_ids):
+            mismatch = "remote_block_ids do not cover the prompt"
         if mismatch is not None:
             self._send_release(remote, "rejected")
             return LoadResult(

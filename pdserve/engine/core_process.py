@@ -16,6 +16,7 @@ Life of the process:
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 from typing import Any
@@ -66,11 +67,12 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     inbox.connect(input_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(output_addr)
+    parent_pid = os.getppid()
     try:
         engine = LLMEngine(config)
         outbox.send(pickle.dumps(_ready(engine)))
         try:
-            _loop(engine, inbox, outbox)
+            _loop(engine, inbox, outbox, parent_pid)
         finally:
             engine.close()
     finally:
@@ -100,9 +102,15 @@ def _poll_ms(engine: LLMEngine) -> int:
     return TRANSFER_POLL_MS if sched.loading or sched.held else IDLE_POLL_MS
 
 
-def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
     last_stats = None
     while True:
+        if os.getppid() != parent_pid:
+            # The API process died without a Shutdown (SIGKILL, crash). An orphaned engine
+            # would keep pinning blocks and renewing leases: abort everything and exit.
+            logger.error("the API process is gone: aborting all requests and exiting")
+            engine.abort(list(engine.outputs.request_ids()))
+            return
         errors: list[RequestError] = []
         outputs: list[RequestOutput] = []
         if inbox.poll(_poll_ms(engine)):
