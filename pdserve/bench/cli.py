@@ -40,6 +40,10 @@ def add_bench_parser(sub: Any) -> None:
     srv.add_argument("--json", action="store_true", help="also print results as JSON")
     srv.set_defaults(func=_serve)
 
+    from pdserve.bench.pd import add_parser as add_pd_parser
+
+    add_pd_parser(bench_sub)
+
 
 def _offline(args: argparse.Namespace) -> int:
     from pdserve.bench.offline import run

@@ -102,6 +102,8 @@ class _Load:
     state: LoadState = LoadState.PENDING
     aborted: bool = False
     claimed: bool = False
+    renewed_s: float = 0.0
+    """When the renew thread last renewed it (0: not yet, so at once)."""
     result: LoadResult | None = None
     remote_block_ids: list[int] = field(default_factory=list)
     local_block_ids: list[int] = field(default_factory=list)
@@ -129,6 +131,8 @@ class DecodeConnector(KVConnector):
         self._peers: dict[str, Handshake] = {}
         self._workers = ThreadPoolExecutor(NUM_LOAD_WORKERS, thread_name_prefix="kv-load")
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set when a load is added (its first renewal must not wait a whole period)."""
         self._renewer = threading.Thread(target=self._renew_loop, name="kv-renew", daemon=True)
         self._renewer.start()
         self._transfers: list[tuple[int, float]] = []
@@ -139,6 +143,7 @@ class DecodeConnector(KVConnector):
         if isinstance(request.kv_transfer, RemotePrefill):
             with self._lock:
                 self._loads[request.request_id] = _Load(request.request_id, request.kv_transfer)
+            self._wake.set()
 
     def get_num_remote_tokens(self, request: Request, num_local_tokens: int) -> int:
         load = self._loads.get(request.request_id)
@@ -297,26 +302,34 @@ class DecodeConnector(KVConnector):
             logger.warning("release of %s failed: %s", remote.ref.handoff_id, e)
 
     def _renew_loop(self) -> None:
-        while True:
+        """Renew each waiting handoff every quarter of its lease, a new one at once; the
+        renewals due together go out as one batch per prefill node."""
+        while not self._stop.is_set():
+            now = time.monotonic()
             with self._lock:
-                pending = [ld.remote for ld in self._loads.values() if not ld.claimed
-                           and ld.state is not LoadState.ENDED]  # fmt: skip
-            period_s = min((r.lease_s for r in pending), default=5.0) / 4
+                waiting = [ld for ld in self._loads.values()
+                           if not ld.claimed and ld.state is not LoadState.ENDED]  # fmt: skip
+            due = [ld for ld in waiting if now >= ld.renewed_s + ld.remote.lease_s / 4]
             by_node: dict[str, list[HandoffRef]] = {}
-            for remote in pending:
-                by_node.setdefault(remote.control_url, []).append(remote.ref)
+            for load in due:
+                load.renewed_s = now
+                by_node.setdefault(load.remote.control_url, []).append(load.remote.ref)
             for url, refs in by_node.items():
                 try:
                     self.control.renew(url, refs)
                 except ControlError as e:
                     logger.warning("lease renewal to %s failed: %s", url, e)
-            if self._stop.wait(max(0.05, period_s)):
-                return
+            next_due_s = min(
+                (ld.renewed_s + ld.remote.lease_s / 4 for ld in waiting), default=now + 1
+            )
+            self._wake.wait(min(max(0.01, next_due_s - time.monotonic()), 1.0))
+            self._wake.clear()
 
     def close(self) -> None:
         """Stop renewing; wait for reads and releases in flight (they are bounded by the
         claim deadline and the control timeout)."""
         self._stop.set()
+        self._wake.set()
         self._workers.shutdown(wait=True)
         self._renewer.join(timeout=5)
         self.control.close()

@@ -33,32 +33,52 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def launch_server(
+    *extra: str, env: dict[str, str] | None = None, port: int | None = None
+) -> Server:
+    """Start `pdserve serve` without waiting for it (see `wait_healthy`)."""
+    port = port or free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING", **(env or {})}
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return Server(f"http://127.0.0.1:{port}", subprocess.Popen([*cmd, *extra], env=env))
+
+
+def wait_healthy(server: Server, on_health: Callable[[int], None] | None = None) -> Server:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}")
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=1).status_code
+        except httpx.HTTPError:
+            status = 0
+        if status and on_health is not None:
+            on_health(status)
+        if status == 200:
+            return server
+        time.sleep(0.05)
+    server.process.kill()
+    raise RuntimeError("server did not become healthy")
+
+
 def start_server(
     *extra: str,
     on_health: Callable[[int], None] | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
 ) -> Server:
-    port = port or free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING", **(env or {})}
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen([*cmd, *extra], env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            status = httpx.get(f"{url}/health", timeout=1).status_code
-        except httpx.HTTPError:
-            status = 0
-        if status and on_health is not None:
-            on_health(status)
-        if status == 200:
-            return Server(url, process)
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("server did not become healthy")
+    return wait_healthy(launch_server(*extra, env=env, port=port), on_health)
+
+
+def start_servers(*arg_lists: list[str], env: dict[str, str] | None = None) -> list[Server]:
+    """Several servers started side by side (each start is mostly imports and loading)."""
+    servers = [launch_server(*args, env=env) for args in arg_lists]
+    try:
+        return [wait_healthy(s) for s in servers]
+    except BaseException:
+        for s in servers:
+            stop_server(s)
+        raise
 
 
 def stop_server(server: Server, timeout_s: float = 60) -> int:

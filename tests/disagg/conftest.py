@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, Server, start_server, stop_server
+from tests.api.conftest import API_KEY, Server, start_servers, stop_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 BLOCK_SIZE = 16
@@ -113,11 +113,12 @@ class Cluster:
 def cluster(tiny_model_dir: Any) -> Iterator[Cluster]:
     """One prefill, one decode and one single node on the tiny model (lease 2 s)."""
     model = tiny_model_dir("llama")
-    servers: list[Server] = []
+    servers = start_servers(
+        node_args(model, "--role", "prefill", "--lease-s", "2", "--claim-timeout-s", "3"),
+        node_args(model, "--role", "decode"),
+        node_args(model),
+    )
     try:
-        for extra in (("--role", "prefill", "--lease-s", "2", "--claim-timeout-s", "3"),
-                      ("--role", "decode"), ()):  # fmt: skip
-            servers.append(start_server(*node_args(model, *extra)))
         yield Cluster(*servers, model=model)  # type: ignore[misc]
     finally:
         for server in servers:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import Server, free_port, start_server, stop_server
+from tests.api.conftest import Server, free_port, start_server, start_servers, stop_server
 from tests.disagg.conftest import (
     HEADERS,
     RELEASE_BOUND_S,
@@ -162,7 +162,7 @@ def test_s11_params_from_a_restarted_prefill_node_are_refused_then_recomputed(
     cluster: Cluster,
 ) -> None:
     port = free_port()
-    args = node_args(cluster.model, "--role", "prefill")
+    args = node_args(cluster.model, "--role", "prefill", "--lease-s", "1")  # quick drain
     body = completion(make_prompt(50, seed=11), max_tokens=6)
     expected = reference(cluster, body)
     old = start_server(*args, port=port)
@@ -275,9 +275,12 @@ def test_s22_decode_node_releases_unread_handoffs_when_stopped(cluster: Cluster)
 
 
 def test_pd_over_ucx_tcp_equals_the_single_node(cluster: Cluster) -> None:
-    tcp = {"UCX_TLS": "tcp"}
-    with node(cluster.model, "--role", "prefill", env=tcp) as prefill, \
-            node(cluster.model, "--role", "decode", env=tcp) as decode:  # fmt: skip
+    prefill, decode = start_servers(
+        node_args(cluster.model, "--role", "prefill"),
+        node_args(cluster.model, "--role", "decode"),
+        env={"UCX_TLS": "tcp"},
+    )
+    try:
         for length in (17, 200):
             body = completion(make_prompt(length, seed=30), max_tokens=8)
             kv = prefill_leg(prefill, body)["kv_transfer_params"]
@@ -286,6 +289,9 @@ def test_pd_over_ucx_tcp_equals_the_single_node(cluster: Cluster) -> None:
         assert metric(decode, "pdserve_kv_transfer_bytes_total") > 0
         wait_idle(prefill, RELEASED_WITHIN_S)
         wait_idle(decode, RELEASED_WITHIN_S)
+    finally:
+        stop_server(prefill)
+        stop_server(decode)
 
 
 # -- a randomized storm ------------------------------------------------------------------

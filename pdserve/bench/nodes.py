@@ -1,0 +1,67 @@
+"""Start and stop local `pdserve serve` nodes as subprocesses (benchmarks, local clusters).
+
+launch (returns at once) → wait_healthy (polls /health until 200, or the process dies)
+→ … → stop (SIGTERM: the node drains and exits 0; SIGKILL after the timeout)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from pdserve.errors import PdserveError
+
+
+class NodeError(PdserveError):
+    """A node exited or never became healthy."""
+
+
+@dataclass
+class Node:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launch(args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Node:
+    port = free_port(host)
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", host, "--port", str(port)]
+    process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})})
+    return Node(f"http://{host}:{port}", process)
+
+
+def wait_healthy(node: Node, timeout_s: float = 300.0) -> Node:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.process.poll() is not None:
+            raise NodeError(f"node {node.url} exited with {node.process.returncode}")
+        try:
+            if httpx.get(f"{node.url}/health", timeout=1).status_code == 200:
+                return node
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise NodeError(f"node {node.url} did not become healthy in {timeout_s:.0f} s")
+
+
+def stop(node: Node, timeout_s: float = 30.0) -> int:
+    if node.process.poll() is None:
+        node.process.send_signal(signal.SIGTERM)
+        try:
+            node.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait()
+    return int(node.process.returncode)
