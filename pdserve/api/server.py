@@ -101,6 +101,7 @@ class ServerState:
         """Prefill nodes: the handoff table and its service (set by `run_server`)."""
         self.live = LiveRequests()
         self.unloaded_decode_legs: set[str] = set()
+        self._control: ControlClient | None = None
         """Decode legs without a first output yet: a decode node's drain aborts them."""
         self.ready = False
         self.draining = False
@@ -112,14 +113,15 @@ class ServerState:
 
     async def release_rejected(self, remote: RemotePrefill) -> None:
         """A decode leg refused before admission: its handoff goes back at once (S4)."""
-        control = ControlClient(self.cluster_secret)
+        if self._control is None:  # one pooled client: a new one costs ~30 ms (TLS setup)
+            self._control = ControlClient(self.cluster_secret)
         try:
-            await asyncio.to_thread(control.release, remote.control_url, remote.ref, "rejected")
+            await asyncio.to_thread(
+                self._control.release, remote.control_url, remote.ref, "rejected"
+            )
         except ControlError as e:
             logger.warning("could not release handoff %s: %s (its lease frees it)",
                            remote.ref.handoff_id, e)  # fmt: skip
-        finally:
-            control.close()
 
 
 def create_app(state: ServerState) -> Starlette:

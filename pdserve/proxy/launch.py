@@ -1,4 +1,4 @@
-"""Start and stop local `pdserve serve` nodes as subprocesses (benchmarks, local clusters).
+"""Start and stop local `pdserve serve` nodes as subprocesses (`pdserve up`, benchmarks).
 
 launch (returns at once) → wait_healthy (polls /health until 200, or the process dies)
 → … → stop (SIGTERM: the node drains and exits 0; SIGKILL after the timeout)

@@ -1,0 +1,154 @@
+"""`pdserve proxy`: the OpenAI API in front of prefill and decode nodes.
+
+Life of the proxy: start (health checks begin; every node is presumed up until checks
+or calls say otherwise) → serve: each completion runs its two legs (`legs.py`) →
+SIGINT/SIGTERM: stop accepting, let uvicorn close connections (open streams are closed,
+which aborts their decode legs), stop the health checks, close the connection pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.api.errors import error_response
+from pdserve.proxy.legs import serve_request
+from pdserve.proxy.pool import BackendPool, check_health
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics")
+_LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0)  # fmt: skip
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_proxy_requests", "Client requests by outcome",
+                                ["outcome"], registry=r)  # fmt: skip
+        self.leg_seconds = Histogram("pdserve_proxy_leg_seconds", "Duration of one leg",
+                                     ["leg"], buckets=_LEG_BUCKETS, registry=r)  # fmt: skip
+        self.releases = Counter("pdserve_proxy_releases", "Handoff releases sent", registry=r)
+        self.retries = Counter("pdserve_proxy_retries", "Legs retried on another node", ["leg"],
+                               registry=r)  # fmt: skip
+        self.backend_up = Gauge("pdserve_proxy_backend_up", "1 if the node is up",
+                                ["role", "url"], registry=r)  # fmt: skip
+        self.backend_outstanding = Gauge("pdserve_proxy_backend_outstanding",
+                                         "Requests in flight to the node", ["role", "url"],
+                                         registry=r)  # fmt: skip
+
+
+@dataclass
+class ProxyState:
+    prefill: BackendPool
+    decode: BackendPool
+    api_key: str | None = None
+    node_api_key: str | None = None
+    prefill_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
+    decode_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
+    health_interval_s: float = 1.0
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    http: httpx.AsyncClient = field(init=False)
+
+    @property
+    def node_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.node_api_key}"} if self.node_api_key else {}
+
+
+def create_proxy_app(state: ProxyState) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await serve_request(state, request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await serve_request(state, request, "/v1/chat/completions")
+
+    async def models(request: Request) -> Response:
+        backend = state.decode.choose() or state.prefill.choose()
+        if backend is None:
+            return error_response(503, "no node is available", "service_unavailable")
+        try:
+            response = await state.http.get(f"{backend.url}/v1/models",
+                                            headers=state.node_headers, timeout=5.0)  # fmt: skip
+        except httpx.HTTPError as e:
+            return error_response(502, f"node {backend.url}: {type(e).__name__}", "upstream_error")
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        counts = {"num_prefill_up": state.prefill.num_up, "num_decode_up": state.decode.num_up}
+        ok = counts["num_prefill_up"] > 0 and counts["num_decode_up"] > 0
+        return JSONResponse({"status": "ok" if ok else "unavailable", **counts},
+                            status_code=200 if ok else 503)  # fmt: skip
+
+    async def metrics(request: Request) -> Response:
+        for pool in (state.prefill, state.decode):
+            for b in pool.backends:
+                state.metrics.backend_up.labels(b.role, b.url).set(int(b.up))
+                state.metrics.backend_outstanding.labels(b.role, b.url).set(b.num_outstanding)
+        return Response(generate_latest(state.metrics.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
+        state.http = httpx.AsyncClient(limits=limits)
+        checker = asyncio.create_task(
+            check_health([state.prefill, state.decode], state.http, state.health_interval_s)
+        )
+        try:
+            yield
+        finally:
+            checker.cancel()
+            await state.http.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.add_middleware(BearerAuth, api_key=state.api_key)
+    return app
+
+
+class BearerAuth:
+    """Clients need `Authorization: Bearer KEY` when the proxy has a key (constant-time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def run_proxy(state: ProxyState, host: str, port: int) -> None:
+    config = uvicorn.Config(create_proxy_app(state), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=2)  # fmt: skip
+    prefill = [b.url for b in state.prefill.backends]
+    decode = [b.url for b in state.decode.backends]
+    logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill, decode)
+    await uvicorn.Server(config).serve()

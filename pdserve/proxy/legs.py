@@ -1,0 +1,315 @@
+"""One client request through the proxy: the prefill leg, the decode leg, and every way the
+pair can end. The proxy is the only component that sees the client between the legs.
+
+    parse the body (400)
+    prefill leg on the least loaded prefill node: non-streaming, 1 token, do_remote_decode
+        client gone → the leg is cancelled (the node aborts it: S1/S2)
+        5xx, timeout, unreachable → a fresh attempt on another prefill node; the node of the
+            abandoned attempt sees the connection close and releases its handoff (S17/S19)
+        4xx → the same error to the client
+    client gone now → release the handoff with its release token (S3)
+    decode leg on the least loaded decode node, with the prefill answer's kv_transfer_params
+        unreachable → another decode node (the handoff is still held), else release + 503
+        any other failure (an error status, a broken stream) → release + the same error;
+            the status is checked before a streaming 200 is committed
+        client gone → close the decode leg (the decode node releases or frees: S5/S7) and
+            release (a no-op if the decode node already read the blocks)
+    answer: the decode node's, with usage = prompt and cached tokens of the prefill leg +
+    completion tokens of the decode leg (stream and non-stream)
+
+Only vLLM's `kv_transfer_params` fields are needed; `release_token` is used when present
+(pdserve nodes), else the node credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.api.errors import error_response
+from pdserve.proxy.pool import Backend
+
+if TYPE_CHECKING:
+    from pdserve.proxy.app import ProxyState
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+"""The request never reached the node: safe to send it elsewhere."""
+
+
+class ClientGone(Exception):
+    """The client disconnected while a leg was in flight."""
+
+
+async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
+    body = await _client_body(request)
+    if isinstance(body, Response):
+        state.metrics.requests.labels("bad_request").inc()
+        return body
+    try:
+        prefill = await _prefill_leg(state, request, path, body)
+        if isinstance(prefill, Response):
+            return prefill
+        backend, answer = prefill
+        kv = answer.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            state.metrics.requests.labels("upstream_error").inc()
+            return error_response(502, "the prefill node returned no kv_transfer_params",
+                                  "upstream_error")  # fmt: skip
+        if await request.is_disconnected():  # S3: gone between the legs
+            await release(state, backend, kv)
+            raise ClientGone
+        return await _decode_leg(state, request, path, body, backend, answer)
+    except ClientGone:
+        state.metrics.requests.labels("client_gone").inc()
+        return Response(status_code=499)
+
+
+async def _client_body(request: Request) -> dict[str, Any] | Response:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(400, f"body is not valid JSON: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "body must be a JSON object", "invalid_request_error")
+    if body.get("n") not in (None, 1):
+        return error_response(400, "n > 1 is not supported through the P/D proxy",
+                              "invalid_request_error", param="n")  # fmt: skip
+    return body
+
+
+# -- the prefill leg ------------------------------------------------------------------------
+
+
+async def _prefill_leg(
+    state: ProxyState, request: Request, path: str, body: dict[str, Any]
+) -> tuple[Backend, dict[str, Any]] | Response:
+    leg = {**body, "max_tokens": 1, "stream": False,
+           "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    leg.pop("stream_options", None)
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    tried: set[str] = set()
+    last_error: Response = error_response(503, "no prefill node is available",
+                                          "service_unavailable")  # fmt: skip
+    while (backend := state.prefill.choose(tried)) is not None:
+        tried.add(backend.url)
+        if len(tried) > 1:
+            state.metrics.retries.labels("prefill").inc()
+        started = time.perf_counter()
+        try:
+            with _outstanding(backend):
+                post = state.http.post(f"{backend.url}{path}", json=leg, headers=state.node_headers,
+                                       timeout=state.prefill_timeout)  # fmt: skip
+                response = await _unless_client_leaves(request, post)
+        except httpx.HTTPError as e:
+            if isinstance(e, UNREACHABLE):
+                backend.record(False)
+            logger.warning("prefill leg on %s failed: %s: %s", backend.url, type(e).__name__, e)
+            last_error = error_response(502 if isinstance(e, UNREACHABLE) else 504,
+                                        f"prefill node {backend.url}: {type(e).__name__}",
+                                        "upstream_error")  # fmt: skip
+            continue
+        state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
+        if response.status_code == 200:
+            return backend, response.json()
+        last_error = _forward_error(response.status_code, response.content)
+        if response.status_code < 500:
+            break  # the request itself is at fault: another node would say the same
+    state.metrics.requests.labels("upstream_error").inc()
+    return last_error
+
+
+# -- the decode leg -------------------------------------------------------------------------
+
+
+async def _decode_leg(
+    state: ProxyState,
+    request: Request,
+    path: str,
+    body: dict[str, Any],
+    prefill: Backend,
+    answer: dict[str, Any],
+) -> Response:
+    kv = answer["kv_transfer_params"]
+    leg = {**body, "kv_transfer_params": kv}
+    stream = bool(body.get("stream"))
+    tried: set[str] = set()
+    while (backend := state.decode.choose(tried)) is not None:
+        tried.add(backend.url)
+        if len(tried) > 1:
+            state.metrics.retries.labels("decode").inc()
+        started = time.perf_counter()
+        backend.num_outstanding += 1
+        try:
+            send = state.http.send(
+                state.http.build_request("POST", f"{backend.url}{path}", json=leg,
+                                         headers=state.node_headers, timeout=state.decode_timeout),
+                stream=True,
+            )  # fmt: skip
+            response = await _unless_client_leaves(request, send)
+        except ClientGone:
+            backend.num_outstanding -= 1
+            await release(state, prefill, kv)
+            raise
+        except httpx.HTTPError as e:
+            backend.num_outstanding -= 1
+            logger.warning("decode leg on %s failed: %s: %s", backend.url, type(e).__name__, e)
+            if isinstance(e, UNREACHABLE):
+                backend.record(False)
+                continue
+            await release(state, prefill, kv)
+            state.metrics.requests.labels("upstream_error").inc()
+            return error_response(504, f"decode node {backend.url}: {type(e).__name__}",
+                                  "upstream_error")  # fmt: skip
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            backend.num_outstanding -= 1
+            await release(state, prefill, kv)
+            state.metrics.requests.labels("upstream_error").inc()
+            return _forward_error(response.status_code, content)
+        prefill_usage = answer.get("usage") or {}
+        if stream:
+            return StreamingResponse(
+                _relay_stream(state, backend, response, prefill_usage, started),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            )  # fmt: skip
+        try:
+            data = json.loads(await response.aread())
+        finally:
+            await response.aclose()
+            backend.num_outstanding -= 1
+        state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
+        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+            data["usage"] = merge_usage(prefill_usage, data["usage"])
+        state.metrics.requests.labels("ok").inc()
+        return JSONResponse(data)
+    await release(state, prefill, kv)
+    state.metrics.requests.labels("upstream_error").inc()
+    return error_response(503, "no decode node is available", "service_unavailable")
+
+
+async def _relay_stream(
+    state: ProxyState,
+    backend: Backend,
+    response: httpx.Response,
+    prefill_usage: dict[str, Any],
+    started: float,
+) -> AsyncIterator[str]:
+    """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
+    client left) closes the decode leg, which aborts it on the node."""
+    outcome = "client_gone"
+    try:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                line = _with_merged_usage(line, prefill_usage)
+            yield line + "\n"
+        outcome = "ok"
+    except httpx.HTTPError as e:  # the node died mid-stream: end the stream with an error
+        outcome = "upstream_error"
+        error = {"error": {"message": f"decode node {backend.url}: {type(e).__name__}",
+                           "type": "upstream_error", "param": None, "code": 502}}  # fmt: skip
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+    finally:
+        await response.aclose()
+        backend.num_outstanding -= 1
+        state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
+        state.metrics.requests.labels(outcome).inc()
+
+
+def _with_merged_usage(line: str, prefill_usage: dict[str, Any]) -> str:
+    try:
+        chunk = json.loads(line[len("data: ") :])
+    except json.JSONDecodeError:
+        return line
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("usage"), dict):
+        return line
+    chunk["usage"] = merge_usage(prefill_usage, chunk["usage"])
+    return f"data: {json.dumps(chunk)}"
+
+
+def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    """Prompt and cached tokens from the prefill leg (which computed the prompt), completion
+    tokens from the decode leg."""
+    prompt = int(prefill.get("prompt_tokens", decode.get("prompt_tokens", 0)))
+    completion = int(decode.get("completion_tokens", 0))
+    usage = {**decode, "prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion}  # fmt: skip
+    details = prefill.get("prompt_tokens_details")
+    if isinstance(details, dict):
+        usage["prompt_tokens_details"] = details
+    return usage
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+async def release(state: ProxyState, backend: Backend, kv: dict[str, Any]) -> None:
+    """Let go of a handoff the proxy will not use (its release token, else the node key)."""
+    handoff_id = kv.get("remote_request_id")
+    if not handoff_id:
+        return
+    body: dict[str, Any] = {"request_ids": [handoff_id]}
+    if kv.get("release_token"):
+        body["release_token"] = kv["release_token"]
+    state.metrics.releases.inc()
+    try:
+        await state.http.post(f"{backend.url}/v1/abort_requests", json=body,
+                              headers=state.node_headers, timeout=2.0)  # fmt: skip
+    except httpx.HTTPError as e:  # its lease frees it
+        logger.warning("release of %s on %s failed: %s", handoff_id, backend.url, e)
+
+
+def _forward_error(status: int, content: bytes) -> Response:
+    """An upstream error, as the same status in the OpenAI schema."""
+    try:
+        data = json.loads(content)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return JSONResponse(data, status_code=status)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    text = content[:200].decode("utf-8", "replace") or f"HTTP {status}"
+    return error_response(status, f"upstream node: {text}", "upstream_error")
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, or cancel it (closing its upstream connection) and raise ClientGone
+    if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    gone_task = asyncio.ensure_future(_wait_disconnect(request))
+    done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    if work_task in done:
+        gone_task.cancel()
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        result = await work_task  # finished anyway: close what it opened
+        if isinstance(result, httpx.Response):
+            await result.aclose()
+    raise ClientGone
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@contextlib.contextmanager
+def _outstanding(backend: Backend) -> Any:
+    backend.num_outstanding += 1
+    try:
+        yield
+    finally:
+        backend.num_outstanding -= 1
