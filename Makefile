@@ -21,9 +21,10 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# A local proxy + prefill + decode cluster on the default model, one chat request through
+# it, the answer printed, everything stopped. `pdserve up` without --ask keeps it serving.
 run: setup
-	$(VENV)/bin/pdserve generate --temperature 0 --max-tokens 32 "The capital of France is"
-	$(VENV)/bin/pdserve generate --chat --temperature 0 --max-tokens 48 "What is the capital of France?"
+	$(VENV)/bin/pdserve up --ask "What is the capital of France?"
 
 test: setup
 	$(PY) -m pytest tests

@@ -95,6 +95,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import httpx
+
+    from pdserve.proxy.app import ProxyState, run_proxy
+    from pdserve.proxy.pool import BackendPool
+
+    api_key = args.api_key or envs.api_key()
+    state = ProxyState(
+        prefill=BackendPool("prefill", args.prefill),
+        decode=BackendPool("decode", args.decode),
+        api_key=api_key,
+        node_api_key=args.node_api_key or api_key,
+        prefill_timeout=httpx.Timeout(args.prefill_timeout_s),
+        decode_timeout=httpx.Timeout(args.decode_timeout_s),
+        health_interval_s=args.health_interval_s,
+        debug_between_legs_s=args.debug_delay_between_legs_s,
+    )
+    asyncio.run(run_proxy(state, args.host, args.port))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
+
+    prx = sub.add_parser("proxy", help="the OpenAI API in front of prefill and decode nodes")
+    prx.add_argument("--host", default="127.0.0.1")
+    prx.add_argument("--port", type=int, default=8000)
+    prx.add_argument("--prefill", action="append", required=True, help="prefill node URL")
+    prx.add_argument("--decode", action="append", required=True, help="decode node URL")
+    prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
+    prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
+    prx.add_argument("--prefill-timeout-s", type=float, default=300.0)
+    prx.add_argument("--decode-timeout-s", type=float, default=300.0, help="per read")
+    prx.add_argument("--health-interval-s", type=float, default=1.0)
+    prx.add_argument("--debug-delay-between-legs-s", type=float, default=0.0,
+                     help=argparse.SUPPRESS)  # fmt: skip
+    prx.set_defaults(func=_proxy)
+
+    from pdserve.proxy.up import add_parser as add_up_parser
+
+    add_up_parser(sub)
 
     from pdserve.bench.cli import add_bench_parser
 

@@ -61,6 +61,8 @@ class ProxyState:
     prefill_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
     decode_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
     health_interval_s: float = 1.0
+    debug_between_legs_s: float = 0.0
+    """Testing only: a pause between the legs, to open window S3 wide enough to hit."""
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     http: httpx.AsyncClient = field(init=False)
 

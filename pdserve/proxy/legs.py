@@ -67,6 +67,8 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
             state.metrics.requests.labels("upstream_error").inc()
             return error_response(502, "the prefill node returned no kv_transfer_params",
                                   "upstream_error")  # fmt: skip
+        if state.debug_between_legs_s:
+            await asyncio.sleep(state.debug_between_legs_s)
         if await request.is_disconnected():  # S3: gone between the legs
             await release(state, backend, kv)
             raise ClientGone

@@ -37,7 +37,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_BLOCK = (2, 3, 4)  # float32: 96 bytes a block
 NODE_BLOCK = (2, 8, 1024)  # int32: 64 KiB a block, several tcp segments each
 NODE_NUM_BLOCKS = 32
-GRACE_S = 1.0  # NixlTransport's default release_grace_s
 MSG = "@@"  # marks our protocol lines on a node's stdout, which UCX may also write to
 
 
@@ -211,7 +210,7 @@ def _send(message: dict[str, Any]) -> None:
 
 def _node_main(agent_name: str, role: str, close_timeout_s: float) -> None:
     """A node process: owner (known pattern) or reader (all -1), serving commands."""
-    from pdserve.disagg.transport import NixlTransport
+    from pdserve.disagg.nixl_transport import NixlTransport
 
     if role == "owner":
         kv = owner_pattern(NODE_NUM_BLOCKS, NODE_BLOCK, torch.int32)

@@ -1,0 +1,187 @@
+"""`pdserve bench proxy`: what the proxy adds, against nodes that answer instantly.
+
+Processes: a stub node (a bare ASGI app under uvicorn that answers prefill legs with
+made-up `kv_transfer_params` and every other completion with a canned answer), the proxy
+pinned to one core, and this process as the load generator (a minimal keep-alive HTTP/1.1
+client, so the generator is not what is measured). For each concurrency:
+- direct: clients → stub (one request each);
+- proxied: clients → proxy → stub (the prefill leg, then the decode leg).
+Reports p50/p99 latency and requests/s of both, and the p50 the proxy adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from pdserve.proxy.launch import free_port
+
+BODY = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()
+
+
+def add_parser(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("proxy", help="latency and rate the proxy adds (stub nodes)")
+    p.add_argument("--concurrency", default="1,64", help="comma-separated")
+    p.add_argument("--duration-s", type=float, default=5.0, help="per measurement")
+    p.add_argument("--proxy-cpu", type=int, default=0, help="core the proxy is pinned to")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+# -- the stub node (run as `python -m pdserve.bench.proxy stub PORT`) ------------------------
+
+_PREFILL_ANSWER = json.dumps({
+    "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+    "choices": [{"index": 0, "text": " a", "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+    "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                           "remote_request_id": "ho-stub", "remote_block_ids": [0],
+                           "remote_host": "127.0.0.1", "remote_port": 1,
+                           "remote_num_tokens": 4, "release_token": "t"},
+}).encode()  # fmt: skip
+_DECODE_ANSWER = json.dumps({
+    "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+    "choices": [{"index": 0, "text": " a b c d e f g h", "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12},
+}).encode()  # fmt: skip
+
+
+async def stub_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    answer = _PREFILL_ANSWER if b"do_remote_decode" in body else _DECODE_ANSWER
+    if scope["path"] == "/health":
+        answer = b'{"status": "ok"}'
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(answer)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+# -- a lean keep-alive client ------------------------------------------------------------------
+
+
+async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    writer.write(request)
+    status_line = await reader.readline()
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    await reader.readexactly(length)
+    return int(status_line.split()[1])
+
+
+async def _load(port: int, concurrency: int, duration_s: float) -> tuple[list[float], int]:
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+               b"content-type: application/json\r\ncontent-length: "
+               + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)  # fmt: skip
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + duration_s
+
+    async def client() -> None:
+        nonlocal errors
+        reader, writer = await _open(port)
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            if await _post(reader, writer, request) != 200:
+                errors += 1
+            latencies.append(time.perf_counter() - start)
+        writer.close()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies, errors
+
+
+def _stats(latencies: list[float], duration_s: float) -> dict[str, float]:
+    return {"p50_ms": 1000 * float(np.percentile(latencies, 50)),
+            "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+            "rps": len(latencies) / duration_s}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    stub_port, proxy_port = free_port(), free_port()
+    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
+    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port)])
+    url = f"http://127.0.0.1:{stub_port}"
+    proxy_cmd = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(proxy_port),
+                 "--prefill", url, "--decode", url]  # fmt: skip
+    proxy = subprocess.Popen(proxy_cmd, env=env)
+    try:
+        os.sched_setaffinity(proxy.pid, {args.proxy_cpu})
+        others = set(range(os.cpu_count() or 1)) - {args.proxy_cpu} or {args.proxy_cpu}
+        os.sched_setaffinity(stub.pid, others)
+        os.sched_setaffinity(0, others)
+        for port in (stub_port, proxy_port):
+            _wait_port(port)
+        results = {}
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            row: dict[str, Any] = {}
+            for name, port in (("direct", stub_port), ("proxy", proxy_port)):
+                asyncio.run(_load(port, concurrency, 0.5))  # warm up connections and code
+                latencies, errors = asyncio.run(_load(port, concurrency, args.duration_s))
+                row[name] = {**_stats(latencies, args.duration_s), "errors": errors}
+            row["added_p50_ms"] = row["proxy"]["p50_ms"] - row["direct"]["p50_ms"]
+            results[concurrency] = row
+        _print(results)
+        if args.json:
+            print(json.dumps(results))
+    finally:
+        for process in (proxy, stub):
+            process.terminate()
+            process.wait(10)
+    return 0
+
+
+def _wait_port(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            asyncio.run(_probe(port))
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+async def _probe(port: int) -> None:
+    _, writer = await _open(port)
+    writer.close()
+
+
+def _print(results: dict[int, dict[str, Any]]) -> None:
+    head = "| concurrency | direct p50 / p99 | proxied p50 / p99 | added p50 |"
+    print(head + " direct req/s | proxied req/s |")
+    print("|---|---|---|---|---|---|")
+    for c, r in results.items():
+        d, p = r["direct"], r["proxy"]
+        print(f"| {c} | {d['p50_ms']:.2f} / {d['p99_ms']:.2f} ms | {p['p50_ms']:.2f} / "
+              f"{p['p99_ms']:.2f} ms | {r['added_p50_ms']:.2f} ms | {d['rps']:.0f} | "
+              f"{p['rps']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["stub"]:
+    import uvicorn
+
+    uvicorn.run(stub_app, host="127.0.0.1", port=int(sys.argv[2]), log_level="error")

@@ -1,0 +1,126 @@
+"""`pdserve up`: a whole local P/D cluster in one command.
+
+launch the prefill and decode nodes (subprocesses, loopback, free ports)
+→ wait until every node is healthy → serve the proxy on --port (this process)
+→ Ctrl-C / SIGTERM: the proxy stops, then every node gets SIGTERM and drains
+With --ask PROMPT: once up, send one chat request through the proxy, print the answer,
+and stop (what `make run` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import httpx
+import uvicorn
+
+from pdserve.proxy.app import ProxyState, create_proxy_app
+from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+from pdserve.proxy.pool import BackendPool
+
+logger = logging.getLogger(__name__)
+
+LOCAL_UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
+"""One machine: UCX on loopback only; no InfiniBand module (it can crash at exit where
+verbs providers are installed without hardware). Explicit settings in the environment win."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start a local proxy + prefill + decode cluster")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--model", default="default")
+    up.add_argument("--dtype", default="auto")
+    up.add_argument("--api-key", default=None, help="required from clients and between nodes")
+    up.add_argument("--num-kv-blocks", type=int, default=None)
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--ask", default=None, help="send this chat message, print the answer, stop")
+    up.add_argument("--max-tokens", type=int, default=64, help="for --ask")
+    up.set_defaults(func=run)
+
+
+def node_args(args: argparse.Namespace, role: str) -> list[str]:
+    argv = ["--role", role, "--model", args.model, "--dtype", args.dtype]
+    for flag, value in (("--api-key", args.api_key), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--max-model-len", args.max_model_len)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_prefill < 1 or args.num_decode < 1:
+        print("pdserve up: --num-prefill and --num-decode must be >= 1", file=sys.stderr)
+        return 2
+    env = {**LOCAL_UCX_ENV, **{k: v for k, v in os.environ.items() if k in LOCAL_UCX_ENV}}
+    roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    nodes = [launch(node_args(args, role), env) for role in roles]
+    try:
+        print(f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
+              f"with model {args.model} ...", flush=True)  # fmt: skip
+        for node in nodes:
+            wait_healthy(node)
+        listing = ", ".join(f"{role} {node.url}" for role, node in zip(roles, nodes, strict=True))
+        print(f"nodes: {listing}", flush=True)
+        return asyncio.run(_serve(args, nodes, roles))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for node in nodes:
+            stop(node)
+
+
+async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) -> int:
+    state = ProxyState(
+        prefill=BackendPool("prefill", [n.url for n, r in zip(nodes, roles, strict=True)
+                                        if r == "prefill"]),
+        decode=BackendPool("decode", [n.url for n, r in zip(nodes, roles, strict=True)
+                                      if r == "decode"]),
+        api_key=args.api_key, node_api_key=args.api_key,
+    )  # fmt: skip
+    config = uvicorn.Config(create_proxy_app(state), host=args.host, port=args.port,
+                            log_level="warning", timeout_graceful_shutdown=2)  # fmt: skip
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    url = f"http://{args.host}:{args.port}"
+    while not server.started:
+        if serving.done():
+            return 1  # could not bind the port: uvicorn said why
+        await asyncio.sleep(0.05)
+    if args.ask is None:
+        _print_banner(url, args.api_key)
+        await serving
+        return 0
+    try:
+        print(await _ask(url, args.api_key, args.ask, args.max_tokens))
+        return 0
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def _ask(url: str, api_key: str | None, message: str, max_tokens: int) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    async with httpx.AsyncClient(timeout=300) as client:
+        response = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def _print_banner(url: str, api_key: str | None) -> None:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    question = '{"role": "user", "content": "What is the capital of France?"}'
+    print(
+        f"\npdserve cluster ready: {url}  (Ctrl-C stops everything)\n\n"
+        f"  curl {url}/v1/chat/completions{auth} -H 'content-type: application/json' \\\n"
+        f'    -d \'{{"messages": [{question}], "max_tokens": 32}}\'\n',
+        flush=True,
+    )

@@ -1,0 +1,262 @@
+"""`pdserve proxy` end to end: the official openai client through a real proxy, real P/D
+nodes (tiny model) and NIXL; the proxy's cancellation windows (S1, S3, S7), retries (S17,
+S19), dead nodes, and upstream errors forwarded with their status."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import API_KEY, Server, start_server, stop_server
+from tests.disagg.conftest import (
+    HEADERS,
+    RELEASE_BOUND_S,
+    Cluster,
+    completion,
+    kv_state,
+    make_prompt,
+    metric,
+    node_args,
+    post,
+    token_ids,
+    wait_idle,
+)
+from tests.proxy.conftest import Stub
+
+pytestmark = pytest.mark.timeout(120)
+RELEASED_WITHIN_S = RELEASE_BOUND_S + 0.1
+DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens
+
+
+def reference(cluster: Cluster, body: dict[str, Any]) -> list[int]:
+    return token_ids(post(cluster.single, "/v1/completions", body).json())
+
+
+def assert_cluster_idle(cluster: Cluster) -> None:
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+    wait_idle(cluster.decode, RELEASED_WITHIN_S)
+
+
+def openai_client(proxy: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def test_openai_client_through_the_proxy_equals_the_single_node(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    client = openai_client(proxy)
+    prompt = make_prompt(37, seed=50)
+    expected = reference(cluster, completion(prompt, max_tokens=10))
+    answer = client.completions.create(
+        model=str(cluster.model), prompt=prompt, max_tokens=10, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert answer.choices[0].model_extra["token_ids"] == expected
+    assert answer.usage.prompt_tokens == 37 and answer.usage.completion_tokens == 10
+    streamed: list[int] = []
+    usage = None
+    for chunk in client.completions.create(
+        model=str(cluster.model), prompt=prompt, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+    ):  # fmt: skip
+        if chunk.choices:
+            streamed += chunk.choices[0].model_extra["token_ids"]
+        if chunk.usage:
+            usage = chunk.usage
+    assert streamed == expected
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (37, 10)
+    assert_cluster_idle(cluster)
+
+
+def test_usage_takes_cached_prompt_tokens_from_the_prefill_leg(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    body = completion(make_prompt(40, seed=51), max_tokens=5)
+    post(proxy, "/v1/completions", body)
+    usage = post(proxy, "/v1/completions", body).json()["usage"]  # the prefill node caches
+    assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == 45
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32  # two full blocks of 16
+
+
+def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_for: Any) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    body = completion(make_prompt(5))
+    assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 401
+    assert post(proxy, "/v1/completions", {**body, "n": 2}).status_code == 400
+    raw = httpx.post(f"{proxy.url}/v1/completions", content=b"{x", headers=HEADERS, timeout=10)
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{proxy.url}/health", timeout=5).json()["num_decode_up"] == 1
+    models = httpx.get(f"{proxy.url}/v1/models", headers=HEADERS, timeout=5).json()
+    assert models["data"][0]["id"] == str(cluster.model)
+
+
+# -- cancellation windows -----------------------------------------------------------------
+
+
+def test_s1_client_gone_during_the_prefill_leg(cluster: Cluster, proxy_for: Any) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    body = completion(make_prompt(400, seed=52), max_tokens=50)
+    for timeout_s in (0.002, 0.005, 0.01, 0.02):
+        with contextlib.suppress(httpx.TimeoutException):
+            post(proxy, "/v1/completions", body, timeout=timeout_s)
+    wait_idle(cluster.prefill, 2.0 + 0.5)  # an answer already in flight: the lease
+    wait_idle(cluster.decode, 2.0 + 0.5)
+
+
+def test_s3_client_gone_between_the_legs_releases_the_handoff(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url],
+                      "--debug-delay-between-legs-s", "0.5")  # fmt: skip
+    released_before = metric(proxy, "pdserve_proxy_releases_total")
+    with pytest.raises(httpx.TimeoutException):
+        post(proxy, "/v1/completions", completion(make_prompt(40, seed=53)), timeout=0.25)
+    assert kv_state(cluster.prefill)["num_handoffs"] == 1  # held while the proxy pauses
+    time.sleep(0.3)  # the pause ends: the proxy finds its client gone
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S + 0.1)
+    assert metric(proxy, "pdserve_proxy_releases_total") == released_before + 1
+    assert kv_state(cluster.decode)["num_running"] == 0  # no decode leg was sent
+
+
+def test_s7_client_gone_during_decode_frees_both_nodes(cluster: Cluster, proxy_for: Any) -> None:
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    body = completion(make_prompt(30, seed=54), max_tokens=400, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=HEADERS,
+                      timeout=30) as response:  # fmt: skip
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    assert_cluster_idle(cluster)
+
+
+# -- retries, dead nodes -------------------------------------------------------------------
+
+
+def test_s17_s19_prefill_failures_retry_elsewhere_or_fail_clearly(
+    cluster: Cluster, proxy_for: Any, stub: Stub
+) -> None:
+    stub.status, stub.body = 500, {"error": {"message": "boom", "type": "internal_error"}}
+    proxy = proxy_for([DEAD_URL, stub.url, cluster.prefill.url], [cluster.decode.url])
+    body = completion(make_prompt(20, seed=55), max_tokens=6)
+    expected = reference(cluster, body)
+    for _ in range(3):  # whichever node is chosen first, the request lands on the real one
+        response = post(proxy, "/v1/completions", body)
+        assert response.status_code == 200 and token_ids(response.json()) == expected
+    assert metric(proxy, "pdserve_proxy_retries_total") >= 1
+    only_bad = proxy_for([DEAD_URL, stub.url], [cluster.decode.url])
+    failed = post(only_bad, "/v1/completions", body)
+    assert failed.status_code in (500, 502) and "error" in failed.json()
+    assert kv_state(cluster.decode)["num_running"] == 0  # no decode leg without a prefill
+    assert_cluster_idle(cluster)
+
+
+def test_a_hung_prefill_node_times_out_and_the_request_moves_on(
+    cluster: Cluster, proxy_for: Any, stub: Stub
+) -> None:
+    stub.delay_s = 30
+    proxy = proxy_for([stub.url], [cluster.decode.url], "--prefill-timeout-s", "0.5")
+    response = post(proxy, "/v1/completions", completion(make_prompt(20, seed=56)))
+    assert response.status_code == 504 and response.json()["error"]["type"] == "upstream_error"
+
+
+def test_unreachable_decode_node_is_skipped_and_all_gone_releases(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    proxy = proxy_for([cluster.prefill.url], [DEAD_URL, cluster.decode.url])
+    body = completion(make_prompt(20, seed=57), max_tokens=6)
+    expected = reference(cluster, body)
+    for _ in range(3):
+        assert token_ids(post(proxy, "/v1/completions", body).json()) == expected
+    no_decode = proxy_for([cluster.prefill.url], [DEAD_URL])
+    failed = post(no_decode, "/v1/completions", body)
+    assert failed.status_code == 503
+    assert_cluster_idle(cluster)  # the handoff was released, not left to its lease
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 429, 503, 500])
+def test_decode_node_errors_reach_the_client_with_their_status(
+    cluster: Cluster, proxy_for: Any, stub: Stub, status: int
+) -> None:
+    stub.status = status
+    stub.body = {"error": {"message": f"stub says {status}", "type": "stub_error",
+                           "param": None, "code": status}}  # fmt: skip
+    proxy = proxy_for([cluster.prefill.url], [stub.url])
+    for stream in (False, True):
+        body = completion(make_prompt(20, seed=58), stream=stream)
+        response = post(proxy, "/v1/completions", body)
+        assert response.status_code == status
+        assert response.json()["error"]["message"] == f"stub says {status}"
+    assert stub.calls[0]["kv_transfer_params"]["do_remote_prefill"] is True
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)  # released by the proxy
+
+
+@pytest.mark.parametrize("status", [400, 404, 429])
+def test_prefill_node_client_errors_are_forwarded_without_retry(
+    cluster: Cluster, proxy_for: Any, stub: Stub, status: int
+) -> None:
+    stub.status, stub.body = status, {"error": {"message": "no", "type": "x", "code": status}}
+    proxy = proxy_for([stub.url, cluster.prefill.url], [cluster.decode.url])
+    for _ in range(3):
+        response = post(proxy, "/v1/completions", completion(make_prompt(20, seed=59)))
+        if stub.calls:
+            break
+    assert response.status_code == status and response.json()["error"]["message"] == "no"
+
+
+def test_killed_nodes_leave_the_cluster_serving_and_leak_nothing(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    extra_prefill = start_server(*node_args(cluster.model, "--role", "prefill"))
+    extra_decode = start_server(*node_args(cluster.model, "--role", "decode"))
+    try:
+        proxy = proxy_for([cluster.prefill.url, extra_prefill.url],
+                          [cluster.decode.url, extra_decode.url])  # fmt: skip
+        body = completion(make_prompt(30, seed=60), max_tokens=6)
+        expected = reference(cluster, body)
+        assert token_ids(post(proxy, "/v1/completions", body).json()) == expected
+        for node in (extra_decode, extra_prefill):
+            node.process.send_signal(signal.SIGKILL)
+            node.process.wait()
+        results = [post(proxy, "/v1/completions", body) for _ in range(6)]
+        assert all(r.status_code == 200 and token_ids(r.json()) == expected for r in results)
+        health = httpx.get(f"{proxy.url}/health", timeout=5).json()
+        assert health["num_prefill_up"] == 1 and health["num_decode_up"] == 1
+        assert_cluster_idle(cluster)
+    finally:
+        stop_server(extra_prefill)
+        stop_server(extra_decode)
+
+
+def test_upstream_stream_broken_midway_ends_with_an_error_event(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    decode = start_server(*node_args(cluster.model, "--role", "decode"))
+    try:
+        proxy = proxy_for([cluster.prefill.url], [decode.url])
+        body = completion(make_prompt(30, seed=61), max_tokens=400, ignore_eos=True, stream=True)
+        events = []
+        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=HEADERS,
+                          timeout=30) as response:  # fmt: skip
+            for line in response.iter_lines():
+                events.append(line)
+                if len(events) == 6:
+                    decode.process.send_signal(signal.SIGKILL)
+        data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        assert data[-1]["error"]["type"] == "upstream_error"
+        assert [e for e in events if e][-1] == "data: [DONE]"
+    finally:
+        stop_server(decode)
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)
