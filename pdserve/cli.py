@@ -98,8 +98,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     import asyncio
 
-    import httpx
-
     from pdserve.proxy.app import ProxyState, run_proxy
     from pdserve.proxy.pool import BackendPool
 
@@ -109,8 +107,8 @@ def _proxy(args: argparse.Namespace) -> int:
         decode=BackendPool("decode", args.decode),
         api_key=api_key,
         node_api_key=args.node_api_key or api_key,
-        prefill_timeout=httpx.Timeout(args.prefill_timeout_s),
-        decode_timeout=httpx.Timeout(args.decode_timeout_s),
+        prefill_timeout_s=args.prefill_timeout_s,
+        decode_timeout_s=args.decode_timeout_s,
         health_interval_s=args.health_interval_s,
         debug_between_legs_s=args.debug_delay_between_legs_s,
     )

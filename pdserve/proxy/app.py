@@ -58,8 +58,10 @@ class ProxyState:
     decode: BackendPool
     api_key: str | None = None
     node_api_key: str | None = None
-    prefill_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
-    decode_timeout: httpx.Timeout = field(default_factory=lambda: httpx.Timeout(300.0))
+    prefill_timeout_s: float = 300.0
+    """The whole prefill leg."""
+    decode_timeout_s: float = 300.0
+    """Connecting, the answer's head, and each read of its body."""
     health_interval_s: float = 1.0
     debug_between_legs_s: float = 0.0
     """Testing only: a pause between the legs, to open window S3 wide enough to hit."""
@@ -115,6 +117,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         finally:
             checker.cancel()
             await state.http.aclose()
+            for pool in (state.prefill, state.decode):
+                for backend in pool.backends:
+                    backend.upstream.close()
 
     app = Starlette(
         routes=[

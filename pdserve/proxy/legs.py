@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.errors import error_response
 from pdserve.proxy.pool import Backend
+from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
     from pdserve.proxy.app import ProxyState
@@ -44,12 +45,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
-"""The request never reached the node: safe to send it elsewhere."""
 
 
 class ClientGone(Exception):
     """The client disconnected while a leg was in flight."""
+
+
+class _Client:
+    """Watches one client request for a disconnect (one task for both legs)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self._gone = asyncio.ensure_future(_wait_disconnect(request))
+
+    async def unless_gone(self, work: Awaitable[T]) -> T:
+        """Await `work`, or cancel it (closing its upstream connection) and raise ClientGone
+        if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        await asyncio.wait({task, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+            result = await task  # it finished anyway: close what it opened
+            if isinstance(result, UpstreamResponse):
+                result.close()
+        raise ClientGone
+
+    @property
+    def gone(self) -> bool:
+        return self._gone.done()
+
+    def close(self) -> None:
+        self._gone.cancel()
 
 
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
@@ -57,8 +85,9 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
     if isinstance(body, Response):
         state.metrics.requests.labels("bad_request").inc()
         return body
+    client = _Client(request)
     try:
-        prefill = await _prefill_leg(state, request, path, body)
+        prefill = await _prefill_leg(state, client, path, body)
         if isinstance(prefill, Response):
             return prefill
         backend, answer = prefill
@@ -69,13 +98,15 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
                                   "upstream_error")  # fmt: skip
         if state.debug_between_legs_s:
             await asyncio.sleep(state.debug_between_legs_s)
-        if await request.is_disconnected():  # S3: gone between the legs
+        if client.gone or await request.is_disconnected():  # S3: gone between the legs
             await release(state, backend, kv)
             raise ClientGone
-        return await _decode_leg(state, request, path, body, backend, answer)
+        return await _decode_leg(state, client, path, body, backend, answer)
     except ClientGone:
         state.metrics.requests.labels("client_gone").inc()
         return Response(status_code=499)
+    finally:
+        client.close()
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
@@ -95,13 +126,14 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
 
 
 async def _prefill_leg(
-    state: ProxyState, request: Request, path: str, body: dict[str, Any]
+    state: ProxyState, client: _Client, path: str, body: dict[str, Any]
 ) -> tuple[Backend, dict[str, Any]] | Response:
     leg = {**body, "max_tokens": 1, "stream": False,
            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
     leg.pop("stream_options", None)
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
+    payload = json.dumps(leg).encode()
     tried: set[str] = set()
     last_error: Response = error_response(503, "no prefill node is available",
                                           "service_unavailable")  # fmt: skip
@@ -110,27 +142,36 @@ async def _prefill_leg(
         if len(tried) > 1:
             state.metrics.retries.labels("prefill").inc()
         started = time.perf_counter()
+        backend.num_outstanding += 1
         try:
-            with _outstanding(backend):
-                post = state.http.post(f"{backend.url}{path}", json=leg, headers=state.node_headers,
-                                       timeout=state.prefill_timeout)  # fmt: skip
-                response = await _unless_client_leaves(request, post)
-        except httpx.HTTPError as e:
-            if isinstance(e, UNREACHABLE):
+            status, content = await client.unless_gone(
+                _post(backend, path, payload, state.node_headers, state.prefill_timeout_s)
+            )
+        except UpstreamError as e:
+            if isinstance(e, Unreachable):
                 backend.record(False)
-            logger.warning("prefill leg on %s failed: %s: %s", backend.url, type(e).__name__, e)
-            last_error = error_response(502 if isinstance(e, UNREACHABLE) else 504,
-                                        f"prefill node {backend.url}: {type(e).__name__}",
-                                        "upstream_error")  # fmt: skip
+            logger.warning("prefill leg on %s failed: %s", backend.url, e)
+            last_error = _upstream_failure(backend, e)
             continue
+        finally:
+            backend.num_outstanding -= 1
         state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
-        if response.status_code == 200:
-            return backend, response.json()
-        last_error = _forward_error(response.status_code, response.content)
-        if response.status_code < 500:
+        if status == 200:
+            return backend, json.loads(content)
+        last_error = _forward_error(status, content)
+        if status < 500:
             break  # the request itself is at fault: another node would say the same
     state.metrics.requests.labels("upstream_error").inc()
     return last_error
+
+
+async def _post(backend: Backend, path: str, payload: bytes, headers: dict[str, str],
+                timeout_s: float) -> tuple[int, bytes]:  # fmt: skip
+    response = await backend.upstream.post_json(path, payload, headers, timeout_s)
+    try:
+        return response.status, await response.read()
+    finally:
+        response.close()
 
 
 # -- the decode leg -------------------------------------------------------------------------
@@ -138,15 +179,15 @@ async def _prefill_leg(
 
 async def _decode_leg(
     state: ProxyState,
-    request: Request,
+    client: _Client,
     path: str,
     body: dict[str, Any],
     prefill: Backend,
     answer: dict[str, Any],
 ) -> Response:
     kv = answer["kv_transfer_params"]
-    leg = {**body, "kv_transfer_params": kv}
-    stream = bool(body.get("stream"))
+    payload = json.dumps({**body, "kv_transfer_params": kv}).encode()
+    prefill_usage = answer.get("usage") or {}
     tried: set[str] = set()
     while (backend := state.decode.choose(tried)) is not None:
         tried.add(backend.url)
@@ -155,91 +196,107 @@ async def _decode_leg(
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
-            send = state.http.send(
-                state.http.build_request("POST", f"{backend.url}{path}", json=leg,
-                                         headers=state.node_headers, timeout=state.decode_timeout),
-                stream=True,
-            )  # fmt: skip
-            response = await _unless_client_leaves(request, send)
-        except ClientGone:
+            send = backend.upstream.post_json(path, payload, state.node_headers,
+                                              state.decode_timeout_s)  # fmt: skip
+            response = await client.unless_gone(send)
+        except (ClientGone, UpstreamError) as e:
             backend.num_outstanding -= 1
-            await release(state, prefill, kv)
-            raise
-        except httpx.HTTPError as e:
-            backend.num_outstanding -= 1
-            logger.warning("decode leg on %s failed: %s: %s", backend.url, type(e).__name__, e)
-            if isinstance(e, UNREACHABLE):
+            if isinstance(e, Unreachable):
+                logger.warning("decode node unreachable: %s", e)
                 backend.record(False)
-                continue
+                continue  # never reached the node: the handoff is still held for another
             await release(state, prefill, kv)
+            if isinstance(e, ClientGone):
+                raise
             state.metrics.requests.labels("upstream_error").inc()
-            return error_response(504, f"decode node {backend.url}: {type(e).__name__}",
-                                  "upstream_error")  # fmt: skip
-        if response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
-            backend.num_outstanding -= 1
-            await release(state, prefill, kv)
-            state.metrics.requests.labels("upstream_error").inc()
-            return _forward_error(response.status_code, content)
-        prefill_usage = answer.get("usage") or {}
-        if stream:
+            return _upstream_failure(backend, e)
+        if response.status != 200:
+            return await _decode_refused(state, backend, response, prefill, kv)
+        if body.get("stream"):
             return StreamingResponse(
                 _relay_stream(state, backend, response, prefill_usage, started),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
-        try:
-            data = json.loads(await response.aread())
-        finally:
-            await response.aclose()
-            backend.num_outstanding -= 1
-        state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
-        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
-            data["usage"] = merge_usage(prefill_usage, data["usage"])
-        state.metrics.requests.labels("ok").inc()
-        return JSONResponse(data)
+        return await _decode_answer(state, client, backend, response, prefill_usage, started)
     await release(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
     return error_response(503, "no decode node is available", "service_unavailable")
 
 
+async def _decode_refused(
+    state: ProxyState, backend: Backend, response: UpstreamResponse, prefill: Backend,
+    kv: dict[str, Any],
+) -> Response:  # fmt: skip
+    """An error status from the decode node: released, and forwarded as it came."""
+    try:
+        content = await response.read()
+    except UpstreamError:
+        content = b""
+    finally:
+        response.close()
+        backend.num_outstanding -= 1
+    await release(state, prefill, kv)
+    state.metrics.requests.labels("upstream_error").inc()
+    return _forward_error(response.status, content)
+
+
+async def _decode_answer(
+    state: ProxyState, client: _Client, backend: Backend, response: UpstreamResponse,
+    prefill_usage: dict[str, Any], started: float,
+) -> Response:  # fmt: skip
+    try:
+        content = await client.unless_gone(response.read())
+    except UpstreamError as e:
+        state.metrics.requests.labels("upstream_error").inc()
+        return _upstream_failure(backend, e)
+    finally:
+        response.close()
+        backend.num_outstanding -= 1
+    state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
+    data = json.loads(content)
+    if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+        data["usage"] = merge_usage(prefill_usage, data["usage"])
+    state.metrics.requests.labels("ok").inc()
+    return JSONResponse(data)
+
+
 async def _relay_stream(
     state: ProxyState,
     backend: Backend,
-    response: httpx.Response,
+    response: UpstreamResponse,
     prefill_usage: dict[str, Any],
     started: float,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
-    client left) closes the decode leg, which aborts it on the node."""
+    client left) closes the decode leg's connection, which aborts it on the node."""
     outcome = "client_gone"
     try:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"usage"' in line:
+        async for line in response.iter_lines():
+            if line.startswith(b"data: {") and b'"usage"' in line:
                 line = _with_merged_usage(line, prefill_usage)
-            yield line + "\n"
+            yield line + b"\n"
         outcome = "ok"
-    except httpx.HTTPError as e:  # the node died mid-stream: end the stream with an error
+    except UpstreamError as e:  # the node died mid-stream: end the stream with an error
         outcome = "upstream_error"
-        error = {"error": {"message": f"decode node {backend.url}: {type(e).__name__}",
+        error = {"error": {"message": f"decode node {backend.url}: {e}",
                            "type": "upstream_error", "param": None, "code": 502}}  # fmt: skip
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
-        await response.aclose()
+        response.close()
         backend.num_outstanding -= 1
         state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
         state.metrics.requests.labels(outcome).inc()
 
 
-def _with_merged_usage(line: str, prefill_usage: dict[str, Any]) -> str:
+def _with_merged_usage(line: bytes, prefill_usage: dict[str, Any]) -> bytes:
     try:
-        chunk = json.loads(line[len("data: ") :])
+        chunk = json.loads(line[len(b"data: ") :])
     except json.JSONDecodeError:
         return line
     if not isinstance(chunk, dict) or not isinstance(chunk.get("usage"), dict):
         return line
     chunk["usage"] = merge_usage(prefill_usage, chunk["usage"])
-    return f"data: {json.dumps(chunk)}"
+    return b"data: " + json.dumps(chunk).encode()
 
 
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
@@ -286,32 +343,11 @@ def _forward_error(status: int, content: bytes) -> Response:
     return error_response(status, f"upstream node: {text}", "upstream_error")
 
 
-async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, or cancel it (closing its upstream connection) and raise ClientGone
-    if the client disconnects first."""
-    work_task = asyncio.ensure_future(work)
-    gone_task = asyncio.ensure_future(_wait_disconnect(request))
-    done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-    if work_task in done:
-        gone_task.cancel()
-        return work_task.result()
-    work_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-        result = await work_task  # finished anyway: close what it opened
-        if isinstance(result, httpx.Response):
-            await result.aclose()
-    raise ClientGone
+def _upstream_failure(backend: Backend, e: UpstreamError) -> Response:
+    status = 504 if isinstance(e, UpstreamTimeout) else 502
+    return error_response(status, f"{backend.role} node {backend.url}: {e}", "upstream_error")
 
 
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-@contextlib.contextmanager
-def _outstanding(backend: Backend) -> Any:
-    backend.num_outstanding += 1
-    try:
-        yield
-    finally:
-        backend.num_outstanding -= 1

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
+
+from pdserve.proxy.upstream import Node
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,11 @@ class Backend:
     kv_usage: float = 0.0
     _failures: int = 0
     _successes: int = 0
+    upstream: Node = field(init=False)
+    """Keep-alive connections for the legs."""
+
+    def __post_init__(self) -> None:
+        self.upstream = Node(self.url)
 
     def record(self, ok: bool) -> None:
         if ok:
