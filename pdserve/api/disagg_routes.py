@@ -13,7 +13,6 @@ cases nothing is touched.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.api.errors import error_response, from_exception
+from pdserve.api.errors import error_response, from_exception, read_json
 from pdserve.disagg.handoff import HandoffTable, Outcome
 from pdserve.disagg.handoff_service import HandoffService
 from pdserve.errors import InvalidRequestError, PdserveError
@@ -67,16 +66,7 @@ def is_admin(state: ServerState, request: Request) -> bool:
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > MAX_CONTROL_BODY_BYTES:
-        raise InvalidRequestError("body too large")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequestError(f"body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidRequestError("body must be a JSON object")
-    return data
+    return await read_json(request, MAX_CONTROL_BODY_BYTES)
 
 
 def _ref(data: Any) -> tuple[str, str, str | None]:

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.disagg_routes import disagg_routes
-from pdserve.api.errors import error_body, error_response, from_exception
+from pdserve.api.errors import error_body, error_response, from_exception, read_json
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
@@ -238,29 +238,6 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal server error", "internal_error")
 
 
-async def _read_json(request: Request) -> dict[str, Any]:
-    too_large = StatusError(
-        f"body larger than {MAX_BODY_BYTES} bytes", status=413, error_type="invalid_request_error"
-    )
-    declared = request.headers.get("content-length", "0")
-    if not declared.isdigit():
-        raise InvalidRequestError("bad Content-Length header")
-    if int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequestError(f"body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidRequestError("body must be a JSON object")
-    return data
-
-
 def _validate(data: Any, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
@@ -303,7 +280,7 @@ async def _serve(
 ) -> Response:
     kv: RemoteDecode | RemotePrefill | None = None
     try:
-        data = await _read_json(request)
+        data = await read_json(request, MAX_BODY_BYTES)
         kv = _kv_transfer(state, data)
         if not state.ready or state.draining:
             raise StatusError("the server is starting or draining", status=503,

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -35,28 +36,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def launch(args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Node:
-    port = free_port(host)
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", host, "--port", str(port)]
+def launch(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    command: str = "serve",
+) -> Node:
+    """`pdserve <command> --host H --port P <args>` in a subprocess; returns at once."""
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "pdserve.cli", command, "--host", host, "--port", str(port)]
     process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})})
     return Node(f"http://{host}:{port}", process)
 
 
-def wait_healthy(node: Node, timeout_s: float = 300.0) -> Node:
+def wait_healthy(
+    node: Node, timeout_s: float = 300.0, on_status: Callable[[int], None] | None = None
+) -> Node:
+    """Poll /health until 200; `on_status` sees every status answered on the way."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if node.process.poll() is not None:
             raise NodeError(f"node {node.url} exited with {node.process.returncode}")
         try:
-            if httpx.get(f"{node.url}/health", timeout=1).status_code == 200:
-                return node
+            status = httpx.get(f"{node.url}/health", timeout=1).status_code
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+            status = 0
+        if status and on_status is not None:
+            on_status(status)
+        if status == 200:
+            return node
+        time.sleep(0.05)
+    node.process.kill()
     raise NodeError(f"node {node.url} did not become healthy in {timeout_s:.0f} s")
 
 
 def stop(node: Node, timeout_s: float = 30.0) -> int:
+    """SIGTERM (the node drains and exits), SIGKILL after `timeout_s`; the exit status."""
     if node.process.poll() is None:
         node.process.send_signal(signal.SIGTERM)
         try:

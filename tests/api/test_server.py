@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pdserve import SamplingParams
-from tests.api.conftest import API_KEY, Server
+from tests.api.conftest import API_KEY, Server, kv_counters
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +173,11 @@ def test_request_id_is_echoed_and_never_a_key(server: Server) -> None:
 def _wait_idle(server: Server, timeout_s: float = 5.0) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        kv = server.kv()
+        kv = kv_counters(server)
         if kv["num_free_blocks"] == kv["num_blocks"] and kv["num_running"] == 0:
             return time.monotonic() - start
         time.sleep(0.005)
-    raise AssertionError(f"blocks not freed: {server.kv()}")
+    raise AssertionError(f"blocks not freed: {kv_counters(server)}")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -198,7 +198,7 @@ def test_client_disconnect_frees_blocks(server: Server, stream: bool) -> None:
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post(f"{server.url}{COMPLETIONS}", json=body, headers=headers, timeout=1.5)
-    busy = server.kv()
+    busy = kv_counters(server)
     assert busy["num_running"] == 1 or busy["num_free_blocks"] == busy["num_blocks"]
     _wait_idle(server)
 

@@ -4,16 +4,12 @@ answers a test sets (for upstream errors and hung or broken nodes)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -21,31 +17,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.proxy.launch import NodeError, launch, wait_healthy
 from tests.api.conftest import API_KEY, Server, free_port, stop_server
 from tests.disagg.conftest import cluster  # noqa: F401  (the shared session fixture)
 
 
 def start_proxy(prefill: list[str], decode: list[str], *extra: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(port),
-           "--api-key", API_KEY, "--health-interval-s", "0.2"]  # fmt: skip
-    for url in prefill:
-        cmd += ["--prefill", url]
-    for url in decode:
-        cmd += ["--decode", url]
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
-    server = Server(f"http://127.0.0.1:{port}", subprocess.Popen([*cmd, *extra], env=env))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert server.process.poll() is None, "the proxy exited"
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    stop_server(server)
-    raise RuntimeError("the proxy did not become healthy")
+    args = ["--api-key", API_KEY, "--health-interval-s", "0.2"]
+    args += [a for url in prefill for a in ("--prefill", url)]
+    args += [a for url in decode for a in ("--decode", url)]
+    proxy = launch([*args, *extra], env={"PDSERVE_LOG_LEVEL": "WARNING"}, command="proxy")
+    try:
+        return wait_healthy(proxy, timeout_s=60)
+    except NodeError:
+        stop_server(proxy)
+        raise
 
 
 @pytest.fixture

@@ -1,0 +1,57 @@
+"""The proxy's node choice and health hysteresis, and its usage arithmetic (no processes)."""
+
+from __future__ import annotations
+
+from pdserve.proxy.legs import merge_usage
+from pdserve.proxy.pool import DOWN_AFTER, UP_AFTER, BackendPool, _kv_usage
+
+
+def test_a_node_goes_down_after_consecutive_failures_and_up_after_consecutive_successes() -> None:
+    pool = BackendPool("decode", ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    node = pool.backends[0]
+    for _ in range(DOWN_AFTER - 1):
+        node.record(False)
+    assert node.up  # one failure is not enough
+    node.record(True)
+    for _ in range(DOWN_AFTER - 1):
+        node.record(False)
+    assert node.up  # a success in between resets the count
+    node.record(False)
+    assert not node.up and pool.num_up == 1
+    assert pool.choose() is pool.backends[1]
+    for _ in range(UP_AFTER - 1):
+        node.record(True)
+    assert not node.up
+    node.record(True)
+    assert node.up and pool.num_up == 2
+
+
+def test_choice_prefers_fewest_outstanding_then_lowest_kv_usage_and_honours_exclusions() -> None:
+    pool = BackendPool("prefill", [f"http://127.0.0.1:{p}" for p in (1, 2, 3)])
+    a, b, c = pool.backends
+    a.num_outstanding, b.num_outstanding, c.num_outstanding = 2, 1, 1
+    b.kv_usage, c.kv_usage = 0.9, 0.1
+    assert pool.choose() is c
+    assert pool.choose({c.url}) is b
+    assert pool.choose({b.url, c.url}) is a
+    assert pool.choose({a.url, b.url, c.url}) is None
+    c.up = b.up = a.up = False
+    assert pool.choose() is None
+
+
+def test_kv_usage_is_read_from_the_vllm_metric() -> None:
+    text = '# HELP x\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\nother 3\n'
+    assert _kv_usage(text) == 0.25
+    assert _kv_usage("nothing here\n") == 0.0
+
+
+def test_usage_combines_prompt_and_cache_of_the_prefill_leg_with_the_decode_completion() -> None:
+    prefill = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+               "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+    decode = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52,
+              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert merge_usage(prefill, decode) == {
+        "prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }  # fmt: skip
+    assert merge_usage({}, {"prompt_tokens": 5, "completion_tokens": 2})["total_tokens"] == 7
