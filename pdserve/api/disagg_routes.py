@@ -6,8 +6,8 @@ Authentication. `/kv/*` calls need the cluster credential (`--cluster-secret`, d
 API key) when the node has one, plus the handoff's release token in the body for anything
 that acts on a handoff. `/v1/abort_requests` takes the admin credential (the API key or
 the cluster secret: any request) or a `release_token` (the handoff it was minted for,
-only); without either the answer is 401, with a token for another handoff 403, and in both
-cases nothing is touched.
+only); without either the answer is 401, with a token that does not match every id (another
+handoff's, or ids this node does not know) 403, and in both cases nothing is touched.
 """
 
 from __future__ import annotations
@@ -170,8 +170,10 @@ async def abort_requests(state: ServerState, request: Request) -> Response:
 
 
 def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
-    """A release token acts on its own handoff only: every id must be a handoff id whose
-    token matches (unknown handoff ids are let through: they are answered `not_found`)."""
+    """A release token acts on its own handoff only: every id must be a handoff this node
+    knows (live or recently released) whose token matches. An unknown id cannot be checked
+    against the token, so it is refused too: without the admin key nothing is answered
+    about ids the caller cannot prove are theirs."""
     if state.handoffs is None:
         return False
-    return all(state.handoffs.may_release(i, token) is not False for i in ids)
+    return all(state.handoffs.may_release(i, token) is True for i in ids)

@@ -86,7 +86,7 @@ async def run_server(
         metrics = state.metrics
         observer = ReleaseObserver(
             lambda reason: metrics.handoffs_released.labels(reason).inc(),
-            metrics.release_seconds.observe,
+            lambda reason, seconds: metrics.release_seconds.labels(reason).observe(seconds),
         )
         state.handoffs = HandoffService(
             client, advertised_host(host), port, kv.lease_s, kv.claim_timeout_s, observer

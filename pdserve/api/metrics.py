@@ -63,8 +63,8 @@ class MetricsRecorder:
         for reason in RELEASE_REASONS:  # export zeros, so rates work from the start
             self.handoffs_released.labels(reason)
         self.release_seconds = Histogram(
-            "pdserve_handoff_release_seconds", "Release trigger to blocks free",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "pdserve_handoff_release_seconds", "Release trigger to blocks free, by reason",
+            ["reason"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV bytes read from prefill nodes", registry=r

@@ -40,11 +40,13 @@ def add_bench_parser(sub: Any) -> None:
     srv.add_argument("--json", action="store_true", help="also print results as JSON")
     srv.set_defaults(func=_serve)
 
+    from pdserve.bench.chaos.run import add_parser as add_chaos_parser
     from pdserve.bench.pd import add_parser as add_pd_parser
     from pdserve.bench.proxy import add_parser as add_proxy_parser
 
     add_pd_parser(bench_sub)
     add_proxy_parser(bench_sub)
+    add_chaos_parser(bench_sub)
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ class ReleaseObserver:
     """Metrics hooks: a handoff ended (reason), and its blocks were free after `seconds`."""
 
     released: Callable[[str], None]
-    freed: Callable[[float], None]
+    freed: Callable[[str, float], None]
+    """(reason, seconds)"""
 
 
 class HandoffService:
@@ -59,8 +60,9 @@ class HandoffService:
         self.table = HandoffTable(lease_s=lease_s, claim_timeout_s=claim_timeout_s)
         self.engine_id = f"pdserve-prefill-{secrets.token_hex(6)}"
         self.observer = observer
-        self._freeing: dict[str, float] = {}
-        """Request id → when its release was triggered, until the engine reports it freed."""
+        self._freeing: dict[str, tuple[str, float]] = {}
+        """Request id → (reason, when its release was triggered), until the engine reports
+        the blocks freed."""
         client.on_freed_held = self._on_freed
 
     # -- the prefill leg -------------------------------------------------------------
@@ -149,16 +151,17 @@ class HandoffService:
             if self.observer:
                 self.observer.released(handoff.release_reason)
             if handoff.block_ids:
-                self._freeing[handoff.request_id] = time.monotonic()
+                self._freeing[handoff.request_id] = (handoff.release_reason, time.monotonic())
         if released:
             await self.client.abort([h.request_id for h in released])
 
     def _on_freed(self, request_ids: list[str]) -> None:
         now = time.monotonic()
         for request_id in request_ids:
-            started = self._freeing.pop(request_id, None)
-            if started is not None and self.observer:
-                self.observer.freed(now - started)
+            freeing = self._freeing.pop(request_id, None)
+            if freeing is not None and self.observer:
+                reason, started = freeing
+                self.observer.freed(reason, now - started)
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -6,6 +6,7 @@ launch (returns at once) → wait_healthy (polls /health until 200, or the proce
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -81,3 +83,23 @@ def stop(node: Node, timeout_s: float = 30.0) -> int:
             node.process.kill()
             node.process.wait()
     return int(node.process.returncode)
+
+
+def kill(node: Node) -> None:
+    """SIGKILL the whole node, its API process and its engine process, as when the machine
+    dies (killing only the API process would leave the engine to notice and clean up)."""
+    for pid in _children(node.process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    node.process.kill()
+    node.process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children

@@ -5,19 +5,18 @@ a restarted prefill node (S11), incompatible nodes (S13), preemption after a tra
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pdserve.proxy.launch import kill
 from tests.api.conftest import Server, free_port, start_server, start_servers, stop_server
 from tests.disagg.conftest import (
     HEADERS,
@@ -89,22 +88,6 @@ def handoff_state(cluster: Cluster, kv: dict[str, Any]) -> str | None:
     return next((r["state"] for r in rows if r["handoff_id"] == kv["remote_request_id"]), None)
 
 
-def kill_node(server: Server) -> None:
-    """SIGKILL a whole node: the API process and its engine process (a machine or
-    container dying), not just the parent."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == server.process.pid:
-                children.append(int(stat.parent.name))
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    server.process.kill()
-    server.process.wait()
-
-
 # -- S5 and S10: a busy decode node --------------------------------------------------------
 
 
@@ -138,7 +121,7 @@ def test_s10_killed_decode_node_with_a_queued_leg_frees_within_the_lease(cluster
         time.sleep(LEASE_S)  # the queued leg's lease is renewed meanwhile
         states = [row["state"] for row in kv_state(cluster.prefill)["handoffs"]]
         assert "held" in states
-        kill_node(busy)
+        kill(busy)
         killed_at = time.monotonic()
         wait_idle(cluster.prefill, LEASE_S + SLACK_S)
         assert time.monotonic() - killed_at <= LEASE_S + SLACK_S
@@ -150,7 +133,7 @@ def test_s10_killed_decode_node_mid_read_frees_at_the_claim_deadline(cluster: Cl
         kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
         in_background(lambda: decode_leg(slow, body, kv))
         wait_for(lambda: handoff_state(cluster, kv) == "claimed", 10, "the claim")
-        kill_node(slow)
+        kill(slow)
         wait_idle(cluster.prefill, CLAIM_TIMEOUT_S + SLACK_S)
     assert httpx.get(f"{cluster.prefill.url}/health").status_code == 200
 
