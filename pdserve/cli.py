@@ -91,7 +91,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
     client = AsyncEngineClient(config)
     name = args.served_model_name or args.model
-    asyncio.run(run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s))
+    asyncio.run(
+        run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s,
+                   args.advertise_host)
+    )  # fmt: skip
     return 0
 
 
@@ -144,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument(
         "--role", default="both", choices=["both", "prefill", "decode"],
         help="both: a whole node; prefill: holds prompts' KV for decode nodes; decode: pulls it",
+    )  # fmt: skip
+    pd.add_argument(
+        "--advertise-host", default=None,
+        help="prefill: the address decode nodes use to reach this node (remote_host); "
+        "default: --host, or this machine's address when --host is 0.0.0.0",
     )  # fmt: skip
     pd.add_argument("--lease-s", type=float, default=5.0, help="prefill: unrenewed handoff life")
     pd.add_argument("--claim-timeout-s", type=float, default=10.0, help="prefill: longest read")

@@ -78,6 +78,7 @@ async def run_server(
     api_key: str | None,
     model_name: str,
     drain_timeout_s: float,
+    advertise_host: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM, drain, stop the engine process."""
     kv = client.config.kv_transfer
@@ -89,7 +90,12 @@ async def run_server(
             lambda reason, seconds: metrics.release_seconds.labels(reason).observe(seconds),
         )
         state.handoffs = HandoffService(
-            client, advertised_host(host), port, kv.lease_s, kv.claim_timeout_s, observer
+            client,
+            advertise_host or advertised_host(host),
+            port,
+            kv.lease_s,
+            kv.claim_timeout_s,
+            observer,
         )
     config = uvicorn.Config(
         create_app(state), host=host, port=port, log_level="warning", lifespan="off",

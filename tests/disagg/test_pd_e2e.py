@@ -277,6 +277,8 @@ def test_s20_release_and_abort_without_credentials_are_refused(cluster: Cluster)
     assert httpx.post(url, json=ids, headers=bad_key, timeout=5).status_code == 401
     foreign = {**ids, "release_token": other["release_token"]}
     assert httpx.post(url, json=foreign, timeout=5).status_code == 403
+    unknown = {"request_ids": ["cmpl-anything"], "release_token": kv["release_token"]}
+    assert httpx.post(url, json=unknown, timeout=5).status_code == 403  # found by bench chaos
     ref = {"handoff_id": kv["remote_request_id"], "release_token": kv["release_token"]}
     assert httpx.post(f"{cluster.prefill.url}/kv/release", json=ref, timeout=5).status_code == 401
     wrong = {**ref, "release_token": other["release_token"]}
