@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
@@ -45,10 +45,14 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if int(declared) > max_bytes:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > max_bytes:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > max_bytes:
+                raise too_large
+    except ClientDisconnect as e:  # gone before its body arrived: nothing to answer
+        raise StatusError("client closed the request", status=499,
+                          error_type="client_closed_request") from e  # fmt: skip
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.errors import error_response
@@ -83,7 +83,8 @@ class _Client:
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
     body = await _client_body(request)
     if isinstance(body, Response):
-        state.metrics.requests.labels("bad_request").inc()
+        outcome = "client_gone" if body.status_code == 499 else "bad_request"
+        state.metrics.requests.labels(outcome).inc()
         return body
     client = _Client(request)
     try:
@@ -111,7 +112,11 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
     try:
-        body = json.loads(await request.body())
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived (found by `bench chaos`)
+        return Response(status_code=499)
+    try:
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return error_response(400, f"body is not valid JSON: {e}", "invalid_request_error")
     if not isinstance(body, dict):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import time
 from typing import Any
 
@@ -260,3 +261,35 @@ def test_upstream_stream_broken_midway_ends_with_an_error_event(
     finally:
         stop_server(decode)
     wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+
+
+def _send_half_a_request(url: str) -> None:
+    """A client that declares a body and leaves before sending all of it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                     b'{"prompt": [1, 2')  # fmt: skip
+
+
+def _count(server: Server, needle: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if not line.startswith("#") and needle in line)  # fmt: skip
+
+
+def test_a_client_gone_before_its_body_arrived_is_counted_not_a_crash(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    """Found by the chaos soak: the proxy and the node raised on a half-sent body."""
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    for server, needle in ((proxy, 'pdserve_proxy_requests_total{outcome="client_gone"}'),
+                           (cluster.single, 'outcome="http_499"')):  # fmt: skip
+        before = _count(server, needle)
+        _send_half_a_request(server.url)
+        deadline = time.monotonic() + 5
+        while _count(server, needle) == before:
+            assert time.monotonic() < deadline, f"{server.url} did not count the departure"
+            time.sleep(0.05)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
