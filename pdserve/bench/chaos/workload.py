@@ -186,7 +186,8 @@ async def generate_load(workload: Workload, duration_s: float, rate: float, max_
                 await workload.run(http, record, plan_rng, prefill_urls)
                 return
             async with inflight:
-                await workload.run(http, record, plan_rng, prefill_urls)
+                if workload.clock() < end_s:  # arrivals still queued at the end are dropped
+                    await workload.run(http, record, plan_rng, prefill_urls)
 
         index = 0
         end_s = workload.clock() + duration_s
