@@ -176,4 +176,4 @@ def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
     about ids the caller cannot prove are theirs."""
     if state.handoffs is None:
         return False
-    return all(state.handoffs.may_release(i, token) is True for i in ids)
+    return all(state.handoffs.table.token_matches(i, token) is True for i in ids)

@@ -78,9 +78,6 @@ class LiveRequests:
     def resolve(self, key: str) -> set[str]:
         return set(self._by_key.get(key, ()))
 
-    def __len__(self) -> int:
-        return len({r for ids in self._by_key.values() for r in ids})
-
 
 class ServerState:
     def __init__(
@@ -101,8 +98,8 @@ class ServerState:
         """Prefill nodes: the handoff table and its service (set by `run_server`)."""
         self.live = LiveRequests()
         self.unloaded_decode_legs: set[str] = set()
-        self._control: ControlClient | None = None
         """Decode legs without a first output yet: a decode node's drain aborts them."""
+        self._control: ControlClient | None = None
         self.ready = False
         self.draining = False
         self.num_inflight = 0

@@ -212,6 +212,11 @@ class HandoffTable:
     def get(self, handoff_id: str) -> Handoff | None:
         return self._handoffs.get(handoff_id)
 
+    def token_matches(self, handoff_id: str, token: str) -> bool | None:
+        """Whether `token` is this handoff's release token; None for an unknown handoff."""
+        handoff = self._handoffs.get(handoff_id)
+        return None if handoff is None else _same_token(token, handoff)
+
     def live(self) -> list[Handoff]:
         return [h for h in self._handoffs.values() if h.state is not HandoffState.RELEASED]
 
@@ -247,9 +252,7 @@ class HandoffTable:
         handoff = self._handoffs.get(handoff_id)
         if handoff is None:
             return None, self._count(f"{name}_unknown", Outcome.UNKNOWN)
-        if not admin and not hmac.compare_digest(
-            (token or "").encode(), handoff.release_token.encode()
-        ):
+        if not admin and not _same_token(token, handoff):
             return None, self._count(f"{name}_bad_token", Outcome.BAD_TOKEN)
         if handoff.state is HandoffState.RELEASED:
             return None, self._count(f"{name}_late", Outcome.ALREADY_RELEASED)
@@ -264,3 +267,7 @@ class HandoffTable:
         handoff.release_reason = reason
         handoff.released_at_s = self._clock()
         self._released.append(handoff)
+
+
+def _same_token(token: str | None, handoff: Handoff) -> bool:
+    return hmac.compare_digest((token or "").encode(), handoff.release_token.encode())

@@ -128,13 +128,6 @@ class HandoffService:
         await self._flush()
         return results
 
-    def may_release(self, handoff_id: str, token: str) -> bool | None:
-        """Token check for the abort API: None when the handoff is unknown."""
-        handoff = self.table.get(handoff_id)
-        if handoff is None:
-            return None
-        return secrets.compare_digest(token.encode(), handoff.release_token.encode())
-
     # -- time and freeing ------------------------------------------------------------
 
     async def run_sweeper(self) -> None:

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.errors import error_response
-from pdserve.proxy.pool import Backend
+from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -139,13 +139,9 @@ async def _prefill_leg(
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
     payload = json.dumps(leg).encode()
-    tried: set[str] = set()
     last_error: Response = error_response(503, "no prefill node is available",
                                           "service_unavailable")  # fmt: skip
-    while (backend := state.prefill.choose(tried)) is not None:
-        tried.add(backend.url)
-        if len(tried) > 1:
-            state.metrics.retries.labels("prefill").inc()
+    for backend in _attempts(state, state.prefill):
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
@@ -193,11 +189,7 @@ async def _decode_leg(
     kv = answer["kv_transfer_params"]
     payload = json.dumps({**body, "kv_transfer_params": kv}).encode()
     prefill_usage = answer.get("usage") or {}
-    tried: set[str] = set()
-    while (backend := state.decode.choose(tried)) is not None:
-        tried.add(backend.url)
-        if len(tried) > 1:
-            state.metrics.retries.labels("decode").inc()
+    for backend in _attempts(state, state.decode):
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
@@ -318,6 +310,17 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _attempts(state: ProxyState, pool: BackendPool) -> Iterator[Backend]:
+    """The nodes to try for one leg, best first, each at most once; every one after the
+    first counts as a retry."""
+    tried: set[str] = set()
+    while (backend := pool.choose(tried)) is not None:
+        if tried:
+            state.metrics.retries.labels(pool.role).inc()
+        tried.add(backend.url)
+        yield backend
 
 
 async def release(state: ProxyState, backend: Backend, kv: dict[str, Any]) -> None:
