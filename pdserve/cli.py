@@ -29,6 +29,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: fused bf16 CPU kernels where the CPU has AVX512-BF16; torch: PyTorch "
+        "ops; triton: Triton paged decode attention on CUDA",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -44,6 +51,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "kernels": args.kernels,
     }
 
 

@@ -16,6 +16,7 @@ ROLES = ("both", "prefill", "decode")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("nixl", "inprocess")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -37,12 +38,20 @@ class ModelConfig:
     """Longest prompt + output in tokens; default: the model's context length."""
     seed: int = 0
     """Seed for dummy weights and for the sampler of unseeded requests."""
+    kernels: str = "auto"
+    """`auto`: fused CPU kernels for bf16 where the CPU has AVX512-BF16 (built on first
+    use with g++), else PyTorch; `torch`: always plain PyTorch ops; `triton`: decode
+    attention through the Triton paged kernel (CUDA; opt-in until measured on a GPU)."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.kernels in KERNEL_CHOICES,
+            f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}",
         )
         _require(
             self.max_model_len is None or self.max_model_len >= 2,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def log_level() -> str:
@@ -23,3 +24,13 @@ def api_key() -> str | None:
 def cluster_secret() -> str | None:
     """PDSERVE_CLUSTER_SECRET: bearer credential between P/D nodes (--cluster-secret wins)."""
     return os.environ.get("PDSERVE_CLUSTER_SECRET") or None
+
+
+def cache_dir() -> Path:
+    """PDSERVE_CACHE_DIR: where built artefacts (the CPU kernels) are kept; default
+    $XDG_CACHE_HOME/pdserve or ~/.cache/pdserve."""
+    explicit = os.environ.get("PDSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve"

@@ -51,7 +51,9 @@ class LLMEngine:
                 num_blocks,
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, config.model.seed)
+        self.runner = ModelRunner(
+            self.loaded, num_blocks, cache.block_size, config.model.seed, config.model.kernels
+        )
         if connector is None and config.kv_transfer.role != "both":
             from pdserve.disagg.connectors import create_connector  # P/D nodes only
 
@@ -61,6 +63,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.step_timer = StepTimer()
 
     # -- requests ------------------------------------------------------------------
 
@@ -131,10 +134,13 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self.tick()
+        t1 = time.perf_counter()
         model_out = self.runner.execute(sched)
+        t2 = time.perf_counter()
         for entry, logprob in zip(sched.scheduled, model_out.logprobs, strict=True):
             if logprob is not None:
                 entry.request.logprobs.append(logprob)
@@ -142,6 +148,7 @@ class LLMEngine:
         outputs, stopped = self.outputs.update(updated)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
+        self.step_timer.record(t1 - t0, t2 - t1, time.perf_counter() - t2, sched.num_tokens)
         return outputs
 
     def tick(self) -> list[RequestOutput]:
@@ -185,6 +192,38 @@ class LLMEngine:
                 f"the context of {self.max_model_len} tokens",
                 param="max_tokens",
             )
+
+
+class StepTimer:
+    """Where a step's time goes, logged every `interval_s`: scheduling and output handling
+    (the engine's own overhead) against the model step (input preparation, forward,
+    sampling). On the default model the overhead is well under 1 ms of a 20-100 ms step."""
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        self.interval_s = interval_s
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.steps = self.tokens = 0
+        self.schedule_s = self.model_s = self.output_s = 0.0
+
+    def record(self, schedule_s: float, model_s: float, output_s: float, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.schedule_s += schedule_s
+        self.model_s += model_s
+        self.output_s += output_s
+        now = time.monotonic()
+        if now - self.since >= self.interval_s:
+            n = self.steps
+            logger.info(
+                "%d steps (%d tokens) in %.0f s; per step: schedule %.2f ms, model %.1f ms, "
+                "outputs %.2f ms",
+                n, self.tokens, now - self.since, 1e3 * self.schedule_s / n,
+                1e3 * self.model_s / n, 1e3 * self.output_s / n,
+            )  # fmt: skip
+            self._reset(now)
 
 
 def user_request_id(engine_request_id: str) -> str:

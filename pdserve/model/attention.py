@@ -11,8 +11,9 @@ A step's tokens are flattened into one batch, decoding requests first, then pref
               one token each      context c0 before it  context c1 before it
 
 Each layer first writes the new K/V at the token's slot (block id, offset), then attends:
-- decode tokens in a few batched SDPA calls (one per group of similar context length)
-  over K/V gathered through padded block tables;
+- decode tokens either straight from the paged cache (a backend's kernel, given padded
+  block tables and sequence lengths; see ops.py), or here in a few batched SDPA calls (one
+  per group of similar context length) over K/V gathered through padded block tables;
 - each prefill chunk with its own call: plain causal attention when it has no earlier
   context, else over the gathered context with a bottom-right causal mask.
 """
@@ -62,6 +63,11 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor
     """[num_tokens] offset of that slot inside its block."""
     decode_groups: tuple[DecodeGroup, ...]
+    """For gathered decode attention; empty when the backend reads the cache in place."""
+    decode_block_tables: torch.Tensor | None
+    """[num_decode_tokens, max_blocks] int64 padded block tables, for in-place decode."""
+    decode_seq_lens: torch.Tensor | None
+    """[num_decode_tokens] int64 tokens each decode attends to (its new one included)."""
     decode_kv_buffer: torch.Tensor | None
     """[2, blocks, block_size, Hkv, D] scratch for one group's gathered K and V, shared by
     all groups and layers: allocating tens of MB per layer per step costs more than the
@@ -100,21 +106,18 @@ def _gather(
     return flat.transpose(-3, -2)
 
 
-def paged_attention(
+def decode_attention_gathered(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the step's tokens -> attention output [T, H, D].
+    out: torch.Tensor,
+) -> None:
+    """Decode tokens' attention into `out[:num_decode_tokens]`, one SDPA call per group.
 
-    `kv_layer` is this layer's [num_blocks, 2, block_size, Hkv, D] view of the cache.
+    q [T, H, D]; `kv_layer` is this layer's [num_blocks, 2, block_size, Hkv, D] view.
     """
-    write_kv(kv_layer, k, v, meta)
     k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     for group in meta.decode_groups:
         qd = q[:nd] if group.indices is None else q.index_select(0, group.indices)
@@ -127,23 +130,41 @@ def paged_attention(
             out[:nd] = od
         else:
             out.index_copy_(0, group.indices, od)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Each prefill chunk's attention into its rows of `out`; the step's K/V are stored.
+
+    q [T, H, D], k/v [T, Hkv, D] for the step's tokens (the chunks' rows are used).
+    """
+    k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
-        qc = q[s : s + n].transpose(0, 1)  # [H, n, D]
+        # 4-D [1, H, n, D] inputs: PyTorch's CPU flash kernel only takes batched ones and
+        # falls back to the ~10x slower math path for 3-D.
+        qc = q[s : s + n].transpose(0, 1).unsqueeze(0)
         if chunk.mask is None:
-            kc, vc = k[s : s + n].transpose(0, 1), v[s : s + n].transpose(0, 1)
+            kc = k[s : s + n].transpose(0, 1).unsqueeze(0)
+            vc = v[s : s + n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             total = chunk.num_context_tokens + n
-            kc = _gather(k_cache, chunk.block_table)[:, :total]
-            vc = _gather(v_cache, chunk.block_table)[:, :total]
+            kc = _gather(k_cache, chunk.block_table)[:, :total].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table)[:, :total].unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )
-        out[s : s + n] = oc.transpose(0, 1)
-    return out
+        out[s : s + n] = oc[0].transpose(0, 1)
 
 
 def causal_mask_with_context(

@@ -2,7 +2,8 @@
 
 Weights use Hugging Face's layout with two fusions the loader performs: q/k/v projections
 are one `qkv_proj` and gate/up are one `gate_up_proj`, so each layer runs four GEMMs over
-the whole flattened batch.
+the whole flattened batch. How each hot operation runs (PyTorch, or fused CPU kernels) is
+the `Ops` backend's business (ops.py); this file only says what is computed.
 """
 
 from __future__ import annotations
@@ -10,23 +11,21 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.ops import TORCH_OPS, TorchOps
 
 
 class RMSNorm(nn.Module):
+    """Weights only: the norm runs fused with the residual add (`Ops.add_rms_norm`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; it accumulates in fp32 like Hugging Face's hand-written version.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -84,17 +83,6 @@ class Rotary(nn.Module):
         )
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate [T, heads, D] (queries and keys stacked on the head axis)."""
-    cos, sin = cos_sin
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -111,17 +99,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: object,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        qkv = ops.linear(x, self.qkv_proj)
+        qkv = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        out = ops.attention(
+            qkv, self.num_heads, self.num_kv_heads, rope, kv_layer, meta, self.scale
+        )
+        return ops.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -131,9 +120,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -147,12 +135,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        delta: torch.Tensor | None,
+        rope: object,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Add the previous layer's `delta` into the residual stream `x` (in place), run
+        the layer, and return this layer's delta (its MLP output, not yet added)."""
+        h = ops.add_rms_norm(x, delta, self.input_layernorm)
+        attn = self.self_attn(h, rope, kv_layer, meta, ops)
+        h = ops.add_rms_norm(x, attn, self.post_attention_layernorm)
+        return self.mlp(h, ops)
 
 
 class LlamaModel(nn.Module):
@@ -178,11 +172,14 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
         """Run one step; return float32 logits for the tokens at `logits_indices` only."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.tables(positions, x.dtype)
+        rope = ops.rope(self.rotary, positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_cache[:, i], meta)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+            delta = layer(x, delta, rope, kv_cache[:, i], meta, ops)
+        x = x[logits_indices]
+        h = ops.add_rms_norm(x, None if delta is None else delta[logits_indices], self.norm)
+        return ops.linear(h, self.lm_head).float()

@@ -24,6 +24,7 @@ from pdserve.model.attention import (
     causal_mask_with_context,
 )
 from pdserve.model.loader import LoadedModel
+from pdserve.model.ops import select_ops
 from pdserve.model.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,16 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        kernels: str = "auto",
     ) -> None:
         self.model = loaded.model
+        self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch)
+        logger.info("model ops: %s", self.ops.name)
         self.device = loaded.device
         self.block_size = block_size
         a = loaded.arch
@@ -101,7 +109,7 @@ class ModelRunner:
     def forward(self, output: SchedulerOutput) -> torch.Tensor:
         """Run the model over the step; float32 logits of the entries that sample."""
         input_ids, positions, meta, logits_indices = self._prepare(output)
-        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops)
 
     def _prepare(
         self, output: SchedulerOutput
@@ -124,13 +132,20 @@ class ModelRunner:
         )
         dev = self.device
         nd = output.num_decodes
-        groups = self._decode_groups(output.scheduled[:nd], block_tables[:nd])
+        if self.ops.paged_decode:
+            groups: tuple[DecodeGroup, ...] = ()
+            tables, seq_lens = self._decode_tables(output.scheduled[:nd], block_tables[:nd])
+        else:
+            groups = self._decode_groups(output.scheduled[:nd], block_tables[:nd])
+            tables = seq_lens = None
         num_gathered = max((g.block_tables.numel() for g in groups), default=0)
         meta = AttentionMetadata(
             num_decode_tokens=nd,
             slot_block_ids=torch.from_numpy(slot_blocks).to(dev),
             slot_offsets=torch.from_numpy(pos % bs).to(dev),
             decode_groups=groups,
+            decode_block_tables=tables,
+            decode_seq_lens=seq_lens,
             decode_kv_buffer=self._scratch(num_gathered) if num_gathered else None,
             prefills=self._prefill_chunks(output.scheduled[nd:], block_tables[nd:], nd),
         )
@@ -140,6 +155,18 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )
+
+    def _decode_tables(
+        self, entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Padded block tables and sequence lengths for decode attention read in place."""
+        if not entries:
+            return None, None
+        padded = np.zeros((len(entries), max(len(t) for t in tables)), dtype=np.int64)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = table
+        seq_lens = np.array([s.num_context_tokens + 1 for s in entries], dtype=np.int64)
+        return torch.from_numpy(padded).to(self.device), torch.from_numpy(seq_lens).to(self.device)
 
     def _decode_groups(
         self, entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray]

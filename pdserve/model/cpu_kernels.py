@@ -1,0 +1,203 @@
+"""Build, load and call the fused bf16 CPU kernels in `csrc/cpu_kernels.cpp`.
+
+The library is compiled on first use with the system's g++ (`-O3 -march=native
+-fopenmp`, about a second) into a cache directory keyed by the source's hash and the
+CPU's flags, then loaded with ctypes. No PyTorch headers are involved, so a build costs
+nothing noticeable and no ABI ties the library to one torch version. The kernels run on
+the libgomp that PyTorch has already loaded (same soname), so they share its threads.
+
+`load()` returns None, with the reason logged once, where the kernels cannot be used:
+not Linux on x86-64, no AVX512-BF16, no g++, or a failed build. The model then runs its
+plain PyTorch ops; the kernels are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+HEAD_SIZES = (32, 64, 128, 256)
+"""Head sizes the decode-attention kernel is specialised for."""
+SMALL_M = 4
+"""Largest row count that `linear` sends to the kernel; above it oneDNN's GEMM (AMX on
+these CPUs) is faster. Measured with `pdserve bench kernels` (its linear sweep)."""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "pd_linear_small": [_P, _P, _P, _P, _I, _I, _I],
+    "pd_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
+    "pd_silu_mul": [_P, _P, _I, _I],
+    "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P],
+    "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _unavailable_reason() -> str | None:
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"not Linux/x86-64 ({platform.system()}/{platform.machine()})"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "no C++ compiler (g++, or $CXX) on PATH"
+    return None
+
+
+def _build(target: Path) -> None:
+    """Compile to a temporary file, then rename: concurrent processes never see a torn .so."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-shared",
+           "-fPIC", "-std=c++17", "-o", tmp, str(SOURCE)]  # fmt: skip
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{e.stderr[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(sorted(_cpu_flags())).encode())
+    key.update(os.environ.get("CXX", "g++").encode())
+    return envs.cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this machine, built if needed; None (reason logged) if unusable."""
+    reason = _unavailable_reason()
+    if reason is None:
+        path = _library_path()
+        try:
+            if not path.exists():
+                logger.info("building the CPU kernels into %s", path)
+                _build(path)
+            return CpuKernels(ctypes.CDLL(str(path)))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            reason = f"build or load failed: {e}"
+    logger.warning("fused CPU kernels disabled (%s); using PyTorch ops", reason)
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """Typed wrappers. Callers guarantee bf16, contiguous rows and the shape rules below."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int if name == "pd_decode_attention" else None
+        self._lib = lib
+
+    @staticmethod
+    def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.shape[0] <= SMALL_M and weight.shape[1] % 32 == 0
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] @ weight[N, K]^T (+ bias) for M <= SMALL_M, K % 32 == 0."""
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype)
+        x = x.contiguous()
+        self._lib.pd_linear_small(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
+                                  m, n, k)  # fmt: skip
+        return y
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """x += delta in place (when given); return rms_norm(x) * weight. Hidden % 16 == 0."""
+        out = torch.empty_like(x)
+        t, h = x.shape
+        self._lib.pd_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(),
+                                  t, h, eps)  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        t, two_i = gate_up.shape
+        out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
+        self._lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+        return out
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_layer: torch.Tensor,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+    ) -> None:
+        """Rotate q and k of qkv [T, H + 2Hkv, D] in place; store k and v in their slots."""
+        t, _, d = qkv.shape
+        s_block, s_kv, s_tok = kv_layer.stride()[:3]
+        self._lib.pd_rotary_write_kv(
+            qkv.data_ptr(), t, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok,
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+        )  # fmt: skip
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, H, D] (rows may be strided) attending over the paged cache -> [B, H, D]."""
+        b, h, d = q.shape
+        hkv = kv_layer.shape[3]
+        out = torch.empty((b, h, d), dtype=q.dtype)
+        s_block, s_kv, s_tok = kv_layer.stride()[:3]
+        status = self._lib.pd_decode_attention(
+            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), s_block, s_kv, s_tok,
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+            out.data_ptr(), b, h, hkv, d, kv_layer.shape[2], scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"no decode-attention kernel for head size {d}")
+        return out

@@ -1,0 +1,360 @@
+// Fused bf16 kernels for the CPU decode path (x86-64 with AVX512-BF16).
+//
+// Built on first use by pdserve/model/cpu_kernels.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers: no PyTorch headers, so a build takes about a
+// second. OpenMP regions run on the process's libgomp, the same runtime (and threads) that
+// PyTorch uses, so the kernels never oversubscribe the cores.
+//
+// Every kernel reads and writes bf16 and computes in fp32. Shapes are checked on the
+// Python side; the kernels trust them.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512F__)
+#error "cpu_kernels.cpp needs AVX512-BF16 (the Python side checks before building)"
+#endif
+
+typedef uint16_t bf16;
+
+namespace {
+
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store16(bf16* p, __m512 v) {  // round to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline float to_f32(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, then 2^n by
+// scalef. Relative error ~2e-7, well below bf16's resolution.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// ---------------------------------------------------------------------------------------
+// Small-M linear: y[M, N] = x[M, K] W[N, K]^T (+ bias), for M <= 8 and K % 32 == 0.
+//
+// Memory-bound: every weight byte is read once per call. Each task takes R rows of W and
+// all of x, accumulating 32-element dot products with vdpbf16ps (bf16 pairs multiplied
+// exactly, summed in fp32), and prefetches the next rows. oneDNN reaches ~10 GB/s on these
+// shapes here; this loop ~20 GB/s, so batch-1 decode reads its weights twice as fast.
+
+constexpr int kRows = 4;
+
+template <int MT, bool kPrefetch>
+inline void linear_tile(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+                        int64_t K, int64_t n0) {
+  __m512 acc[MT][kRows];
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < kRows; r++) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[kRows];
+    for (int r = 0; r < kRows; r++) {
+      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * K + k), _MM_HINT_T0);
+      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+    }
+    for (int m = 0; m < MT; m++) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < kRows; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < kRows; r++) {
+      float s = _mm512_reduce_add_ps(acc[m][r]);
+      if (bias) s += to_f32(bias[n0 + r]);
+      y[m * N + n0 + r] = to_bf16(s);
+    }
+}
+
+inline float dot_row(const bf16* x, const bf16* w, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + k),
+                           (__m512bh)_mm512_loadu_si512(x + k));
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int MT>
+inline void linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+                        int64_t K, int64_t n0, bool first_tile) {
+  if (first_tile)
+    linear_tile<MT, true>(x, w, bias, y, N, K, n0);
+  else
+    linear_tile<MT, false>(x, w, bias, y, N, K, n0);  // rows already in L1
+}
+
+}  // namespace
+
+extern "C" {
+
+void pd_linear_small(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
+                     int64_t N, int64_t K) {
+  const int64_t groups = N / kRows;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t n0 = g * kRows;
+    const bf16* wg = w + n0 * K;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) linear_rows<4>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0);
+    switch (M - m) {
+      case 1: linear_rows<1>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
+      case 2: linear_rows<2>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
+      case 3: linear_rows<3>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
+      default: break;
+    }
+  }
+  for (int64_t n = groups * kRows; n < N; n++)  // rows left over when N % kRows != 0
+    for (int64_t m = 0; m < M; m++) {
+      float s = dot_row(x + m * K, w + n * K, K);
+      if (bias) s += to_f32(bias[n]);
+      y[m * N + n] = to_bf16(s);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// x = x + delta (when delta is given, rounded to bf16 like PyTorch's add), then
+// out = x * rsqrt(mean(x^2) + eps) * weight. Rows of H elements, H % 16 == 0.
+
+void pd_add_rms_norm(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t T,
+                     int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T > 1)
+  for (int64_t t = 0; t < T; t++) {
+    bf16* xr = x + t * H;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      __m512 v = load16(xr + i);
+      if (delta) {
+        v = _mm512_add_ps(v, load16(delta + t * H + i));
+        store16(xr + i, v);
+        v = load16(xr + i);  // the rounded sum, as the residual stream keeps it
+      }
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < H; i += 16)
+      store16(out + t * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), scale), load16(weight + i)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]; I % 16 == 0.
+
+void pd_silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16* g = gate_up + t * 2 * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      __m512 gv = load16(g + i);
+      __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                    exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store16(out + t * I + i, _mm512_mul_ps(silu, load16(g + I + i)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary (rotate-half form) applied in place to the query and key heads of a fused
+// qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
+// cache slots. cos/sin are fp32 tables [max_positions, D] (each half repeats the other).
+// The cache is addressed by strides (in elements): block, K/V plane, token; heads are
+// contiguous within a token. D % 32 == 0.
+
+void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                        const float* cos, const float* sin, const int64_t* positions,
+                        bf16* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const int64_t* slot_blocks, const int64_t* slot_offsets) {
+  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T > 1)
+  for (int64_t t = 0; t < T; t++) {
+    bf16* row = qkv + t * width;
+    const float* c = cos + positions[t] * D;
+    const float* s = sin + positions[t] * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+      bf16* x = row + h * D;
+      for (int64_t i = 0; i < half; i += 16) {
+        __m512 x1 = load16(x + i), x2 = load16(x + half + i);
+        __m512 c1 = _mm512_loadu_ps(c + i), s1 = _mm512_loadu_ps(s + i);
+        store16(x + i, _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1)));
+        store16(x + half + i, _mm512_fmadd_ps(x2, c1, _mm512_mul_ps(x1, s1)));
+      }
+    }
+    bf16* slot = kv + slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
+    memcpy(slot, row + H * D, Hkv * D * sizeof(bf16));                // keys
+    memcpy(slot + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(bf16));  // values
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode attention straight from the paged cache: one query token per sequence, keys and
+// values read in place through the block table (no gather into a scratch copy).
+// q[b] starts at q + b * q_stride with H heads of D; out is [B, H, D] contiguous.
+// Each (sequence, kv head) is one task; its G = H / Hkv query heads read the same K and V
+// rows, which stay in L2 between heads. Scores for 16 keys at a time: 16 dot-product
+// vectors, then one transpose-and-add (hsum16) instead of 16 horizontal reductions.
+// Then an exact softmax over the whole row, then V accumulated in registers.
+
+}  // extern "C"
+
+namespace {
+
+// Lane i of the result = the sum of all lanes of x[j], where j = 4 * (i % 4) + i / 4
+// (the order the shuffle network leaves them in; callers store their inputs so).
+inline __m512 hsum16(const __m512* x) {
+  __m512 y[8], z[4];
+  for (int k = 0; k < 8; k++)
+    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; k++)
+    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0xDD));
+  const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
+  const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]), _mm512_unpackhi_ps(z[2], z[3]));
+  const __m512d a = _mm512_castps_pd(w0), b = _mm512_castps_pd(w1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+struct PagedKV {
+  const bf16* base;  // this kv head's K plane; V is at + s_kv
+  int64_t s_block, s_kv, s_tok, block_size;
+  const int64_t* table;
+  inline const bf16* key(int64_t t) const {
+    return base + table[t / block_size] * s_block + (t % block_size) * s_tok;
+  }
+};
+
+inline void softmax_row(float* s, int64_t L) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+  const __m512 vmax = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax)));
+    _mm512_mask_storeu_ps(s + t, m, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+    _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+  }
+}
+
+template <int D>
+void attend_one_head(const bf16* qh, const PagedKV& kv, int64_t L, float scale, float* s,
+                     bf16* oh) {
+  constexpr int kChunks = D / 32, kVecs = D / 16;
+  __m512bh qv[kChunks];
+  for (int c = 0; c < kChunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    __m512 part[16];
+    for (int i = 0; i < 16; i++) {
+      const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order hsum16 expects
+      __m512 a = _mm512_setzero_ps();
+      if (t < L) {
+        const bf16* k = kv.key(t);
+        for (int c = 0; c < kChunks; c++)
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+      }
+      part[i] = a;
+    }
+    _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(part), vscale));  // s has room to 16
+  }
+  softmax_row(s, L);
+  __m512 acc[kVecs];
+  for (int j = 0; j < kVecs; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t++) {
+    const bf16* v = kv.key(t) + kv.s_kv;
+    const __m512 p = _mm512_set1_ps(s[t]);
+    for (int j = 0; j < kVecs; j++) acc[j] = _mm512_fmadd_ps(p, load16(v + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < kVecs; j++) store16(oh + 16 * j, acc[j]);
+}
+
+template <int D>
+void decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
+                      int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
+                      int64_t H, int64_t Hkv, int64_t block_size, float scale) {
+  const int64_t G = H / Hkv;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hkv; task++) {
+      const int64_t b = task / Hkv, hk = task % Hkv, L = seq_lens[b];
+      const PagedKV paged{kv + hk * D, s_block, s_kv, s_tok, block_size,
+                          block_tables + b * max_blocks};
+      if (static_cast<int64_t>(scores.size()) < L + 16) scores.resize(L + 16);
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        attend_one_head<D>(q + b * q_stride + h * D, paged, L, scale, scores.data(),
+                           out + (b * H + h) * D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
+int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
+                        int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
+                        int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
+                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+#define PD_DECODE(d)                                                                     \
+  case d:                                                                                \
+    decode_attention<d>(q, q_stride, kv, s_block, s_kv, s_tok, block_tables, max_blocks, \
+                        seq_lens, out, B, H, Hkv, block_size, scale);                    \
+    return 0;
+  switch (D) {
+    PD_DECODE(32)
+    PD_DECODE(64)
+    PD_DECODE(128)
+    PD_DECODE(256)
+    default: return -1;
+  }
+#undef PD_DECODE
+}
+
+}  // extern "C"

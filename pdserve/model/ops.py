@@ -1,0 +1,186 @@
+"""The model's hot operations, in one place, with one implementation per backend.
+
+`LlamaModel` is written once against `Ops`; a backend decides how each operation runs:
+
+- `TorchOps`: plain PyTorch (any device, any dtype). Decode attention gathers each
+  group's K/V blocks and calls SDPA (see attention.py).
+- `CpuKernelOps`: bf16 on x86-64 CPUs with AVX512-BF16, through the fused kernels in
+  `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
+  one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
+  and a weight-streaming linear for 1-4 rows (batch-1 decode reads its weights ~2x
+  faster than oneDNN does). Larger GEMMs and prefill attention stay on PyTorch.
+
+The residual stream is carried as (x, delta): each layer's two norms first add the
+pending delta into x in place, which is what lets the kernel fuse add and norm.
+`select_ops` picks the backend from the config and the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.errors import ConfigError
+from pdserve.model import cpu_kernels
+from pdserve.model.attention import (
+    AttentionMetadata,
+    decode_attention_gathered,
+    prefill_attention,
+    write_kv,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TorchOps:
+    """Plain PyTorch operations; the reference every other backend is tested against."""
+
+    name = "torch"
+    paged_decode = False
+    """True when decode attention reads the paged cache directly (no decode groups)."""
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
+        """x += delta in place (when given), then RMSNorm(x)."""
+        if delta is not None:
+            x.add_(delta)
+        # One fused kernel; it accumulates in fp32 like Hugging Face's hand-written version.
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, rotary: Any, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Per-step rotary state, computed once and handed to every layer's attention."""
+        return rotary.tables(positions, dtype)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rope: Any,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate q and k, store k and v in their cache slots; return (q, k, v)."""
+        cos, sin = rope
+        qk = qkv[:, : num_heads + num_kv_heads]
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, num_heads + num_kv_heads :]
+        write_kv(kv_layer, k, v, meta)
+        return q, k, v
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rope: Any,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """qkv [T, H + 2Hkv, D] -> attention output [T, H, D]; stores the step's K/V."""
+        q, k, v = self.rotary_write_kv(qkv, num_heads, num_kv_heads, rope, kv_layer, meta)
+        out = torch.empty_like(q)
+        decode_attention_gathered(q, kv_layer, meta, scale, out)
+        prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CpuKernelOps(TorchOps):
+    """bf16 on the CPU through the fused kernels; falls back per call where a shape
+    does not fit a kernel (more than `SMALL_M` rows for a linear)."""
+
+    name = "cpu-kernels"
+    paged_decode = True
+
+    def __init__(self, kernels: cpu_kernels.CpuKernels) -> None:
+        self.k = kernels
+
+    def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if self.k.supports_linear(x, layer.weight):
+            return self.k.linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
+        return self.k.add_rms_norm(x, delta, norm.weight, norm.eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(gate_up)
+
+    def rope(self, rotary: Any, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return rotary.cos, rotary.sin, positions  # fp32 tables, indexed inside the kernel
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rope: Any,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        cos, sin, positions = rope
+        self.k.rotary_write_kv(
+            qkv, num_heads, num_kv_heads, cos, sin, positions, kv_layer,
+            meta.slot_block_ids, meta.slot_offsets,
+        )  # fmt: skip
+        q = qkv[:, :num_heads]
+        nd = meta.num_decode_tokens
+        decoded = None
+        if nd:
+            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+            decoded = self.k.decode_attention(
+                q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+            if not meta.prefills:
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
+        k = qkv[:, num_heads : num_heads + num_kv_heads]
+        v = qkv[:, num_heads + num_kv_heads :]
+        prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        return out
+
+
+TORCH_OPS = TorchOps()
+
+
+def select_ops(choice: str, device: torch.device, dtype: torch.dtype, arch: Any) -> TorchOps:
+    """The fastest backend this machine and model allow; `choice="torch"` forces PyTorch.
+
+    On CUDA, `auto` stays on PyTorch: the Triton kernel (`choice="triton"`) has only run
+    under Triton's CPU interpreter so far; make it the default once bench/gpu has measured
+    it on a GPU (docs/gpu.md)."""
+    if choice == "triton":
+        from pdserve.model.triton_attention import TritonOps, triton_available
+
+        if device.type != "cuda" or not triton_available():
+            raise ConfigError("kernels='triton' needs a CUDA device and the triton package")
+        return TritonOps()
+    if choice == "torch" or device.type != "cpu" or dtype != torch.bfloat16:
+        return TORCH_OPS
+    dims = (arch.head_dim, arch.hidden_size, arch.intermediate_size)
+    shapes_fit = dims[0] in cpu_kernels.HEAD_SIZES and dims[1] % 16 == 0 and dims[2] % 16 == 0
+    if not shapes_fit:
+        logger.info("fused CPU kernels skipped: head size or hidden sizes do not fit them")
+        return TORCH_OPS
+    kernels = cpu_kernels.load()
+    return TORCH_OPS if kernels is None else CpuKernelOps(kernels)
