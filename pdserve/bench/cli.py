@@ -18,8 +18,17 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--max-num-seqs", type=int, default=256)
     off.add_argument("--hf-batch-size", type=int, default=32)
-    off.add_argument("--compare", default="", help="comma-separated peers: hf")
+    off.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated peers: hf, vllm, torch (pdserve on plain PyTorch ops)",
+    )
     off.add_argument("--threads", type=int, default=None)
+    off.add_argument(
+        "--vllm-threads-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND for --compare vllm (auto: one core left to its scheduler)",
+    )
     off.add_argument("--repeat", type=int, default=3, help="alternating runs per system")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--json", action="store_true", help="also print results as JSON")
@@ -41,12 +50,14 @@ def add_bench_parser(sub: Any) -> None:
     srv.set_defaults(func=_serve)
 
     from pdserve.bench.chaos.run import add_parser as add_chaos_parser
+    from pdserve.bench.kernels import add_parser as add_kernels_parser
     from pdserve.bench.pd import add_parser as add_pd_parser
     from pdserve.bench.proxy import add_parser as add_proxy_parser
 
     add_pd_parser(bench_sub)
     add_proxy_parser(bench_sub)
     add_chaos_parser(bench_sub)
+    add_kernels_parser(bench_sub)
 
 
 def _offline(args: argparse.Namespace) -> int:

