@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -252,10 +253,11 @@ inline __m512 hsum16(const __m512* x) {
 
 struct PagedKV {
   const bf16* base;  // this kv head's K plane; V is at + s_kv
-  int64_t s_block, s_kv, s_tok, block_size;
+  int64_t s_block, s_kv, s_tok;
+  int block_shift;  // block sizes are powers of two: shifts, not 40-cycle divisions
   const int64_t* table;
   inline const bf16* key(int64_t t) const {
-    return base + table[t / block_size] * s_block + (t % block_size) * s_tok;
+    return base + table[t >> block_shift] * s_block + (t & ((1 << block_shift) - 1)) * s_tok;
   }
 };
 
@@ -315,19 +317,27 @@ void decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s
                       int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
                       int64_t H, int64_t Hkv, int64_t block_size, float scale) {
   const int64_t G = H / Hkv;
+  // A task is one sequence with all its kv heads when there are enough sequences to keep
+  // every thread busy: a block's rows hold all heads, so the sequence's KV then streams
+  // from memory once. With few sequences (batch 1), a task is one (sequence, kv head).
+  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / heads_per_task;
 #pragma omp parallel
   {
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * Hkv; task++) {
-      const int64_t b = task / Hkv, hk = task % Hkv, L = seq_lens[b];
-      const PagedKV paged{kv + hk * D, s_block, s_kv, s_tok, block_size,
-                          block_tables + b * max_blocks};
+    for (int64_t task = 0; task < B * tasks_per_seq; task++) {
+      const int64_t b = task / tasks_per_seq, L = seq_lens[b];
       if (static_cast<int64_t>(scores.size()) < L + 16) scores.resize(L + 16);
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t h = hk * G + g;
-        attend_one_head<D>(q + b * q_stride + h * D, paged, L, scale, scores.data(),
-                           out + (b * H + h) * D);
+      for (int64_t i = 0; i < heads_per_task; i++) {
+        const int64_t hk = (task % tasks_per_seq) * heads_per_task + i;
+        const PagedKV paged{kv + hk * D, s_block, s_kv, s_tok, __builtin_ctzll(block_size),
+                            block_tables + b * max_blocks};
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t h = hk * G + g;
+          attend_one_head<D>(q + b * q_stride + h * D, paged, L, scale, scores.data(),
+                             out + (b * H + h) * D);
+        }
       }
     }
   }
@@ -338,6 +348,7 @@ void decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s
 extern "C" {
 
 // Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
+// block_size must be a power of two (CacheConfig enforces it).
 int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
                         int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
                         int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
