@@ -34,9 +34,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 HEAD_SIZES = (32, 64, 128, 256)
 """Head sizes the decode-attention kernel is specialised for."""
-SMALL_M = 4
+SMALL_M = 6
 """Largest row count that `linear` sends to the kernel; above it oneDNN's GEMM (AMX on
-these CPUs) is faster. Measured with `pdserve bench kernels` (its linear sweep)."""
+these CPUs) is as fast. From `pdserve bench kernels` (2 threads, one decode step's
+weights, 2026-11-30): kernel 15 ms vs oneDNN 20-29 ms for 2-6 rows, even at 7, 1.1x at 8."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

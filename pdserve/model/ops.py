@@ -7,7 +7,7 @@
 - `CpuKernelOps`: bf16 on x86-64 CPUs with AVX512-BF16, through the fused kernels in
   `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
   one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
-  and a weight-streaming linear for 1-4 rows (batch-1 decode reads its weights ~2x
+  and a weight-streaming linear for 1-6 rows (batch-1 decode reads its weights ~2x
   faster than oneDNN does). Larger GEMMs and prefill attention stay on PyTorch.
 
 The residual stream is carried as (x, delta): each layer's two norms first add the

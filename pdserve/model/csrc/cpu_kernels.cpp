@@ -68,7 +68,7 @@ inline __m512 exp16(__m512 x) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Small-M linear: y[M, N] = x[M, K] W[N, K]^T (+ bias), for M <= 8 and K % 32 == 0.
+// Small-M linear: y[M, N] = x[M, K] W[N, K]^T (+ bias), for small M (any) and K % 32 == 0.
 //
 // Memory-bound: every weight byte is read once per call. Each task takes R rows of W and
 // all of x, accumulating 32-element dot products with vdpbf16ps (bf16 pairs multiplied
