@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -25,12 +27,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.api.errors import error_response
-from pdserve.proxy.legs import serve_request
+from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")
+NUM_DEPARTURES_KEPT = 10_000
 _LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)  # fmt: skip
 
@@ -45,6 +48,9 @@ class ProxyMetrics:
         self.releases = Counter("pdserve_proxy_releases", "Handoff releases sent", registry=r)
         self.retries = Counter("pdserve_proxy_retries", "Legs retried on another node", ["leg"],
                                registry=r)  # fmt: skip
+        self.departures = Counter("pdserve_proxy_departures",
+                                  "Clients that left, by the stage their request was in",
+                                  ["stage"], registry=r)  # fmt: skip
         self.backend_up = Gauge("pdserve_proxy_backend_up", "1 if the node is up",
                                 ["role", "url"], registry=r)  # fmt: skip
         self.backend_outstanding = Gauge("pdserve_proxy_backend_outstanding",
@@ -66,11 +72,21 @@ class ProxyState:
     debug_between_legs_s: float = 0.0
     """Testing only: a pause between the legs, to open window S3 wide enough to hit."""
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    departures: deque[dict[str, object]] = field(
+        default_factory=lambda: deque(maxlen=NUM_DEPARTURES_KEPT)
+    )
+    """The latest clients that left: X-Request-Id, stage, when (`GET /admin/departures`)."""
     http: httpx.AsyncClient = field(init=False)
 
     @property
     def node_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.node_api_key}"} if self.node_api_key else {}
+
+    def record_departure(self, request_id: str, stage: Stage) -> None:
+        self.metrics.departures.labels(stage.value).inc()
+        self.departures.append({"request_id": request_id, "stage": stage.value,
+                                "monotonic_s": time.monotonic()})  # fmt: skip
+        logger.info("request %s: client left during %s", request_id or "-", stage.value)
 
 
 def create_proxy_app(state: ProxyState) -> Starlette:
@@ -105,6 +121,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         return Response(generate_latest(state.metrics.registry),
                         media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
 
+    async def departures(request: Request) -> Response:
+        return JSONResponse({"departures": list(state.departures)})
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
@@ -128,6 +147,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/admin/departures", departures, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

@@ -17,6 +17,10 @@ pair can end. The proxy is the only component that sees the client between the l
     answer: the decode node's, with usage = prompt and cached tokens of the prefill leg +
     completion tokens of the decode leg (stream and non-stream)
 
+The client's X-Request-Id goes with both legs (nodes list it with the handoff, echo it and
+abort by it). A client that leaves is recorded with the `Stage` the proxy was in when it
+noticed (`/admin/departures`, `pdserve_proxy_departures_total`): what its cancel hit.
+
 Only vLLM's `kv_transfer_params` fields are needed; `release_token` is used when present
 (pdserve nodes), else the node credential.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import time
@@ -51,11 +56,39 @@ class ClientGone(Exception):
     """The client disconnected while a leg was in flight."""
 
 
+class Stage(enum.Enum):
+    """Where a request is, as the proxy sees it; the stage of a client's departure."""
+
+    RECEIVING = "receiving"
+    """The request's body had not fully arrived."""
+    PREFILL = "prefill"
+    """The prefill leg is in flight: queued or running on the prefill node."""
+    BETWEEN_LEGS = "between_legs"
+    """The prefill answer is here (handoff held), the decode leg not yet sent."""
+    DECODE = "decode"
+    """The decode leg is sent, its answer's head not yet back: for a stream, before the
+    first token (queued on the decode node, reading the KV, or its first step); otherwise
+    anywhere on the decode node until the answer is complete."""
+    STREAMING = "streaming"
+    """The decode node streams tokens: the KV was read and decoding runs."""
+    ANSWER = "answer"
+    """A non-streaming answer is being read."""
+
+
+def client_request_id(request: Request) -> str:
+    """The client's X-Request-Id as nodes take it (printable ASCII, at most 256 chars)."""
+    raw = request.headers.get("x-request-id", "")[:256]
+    return "".join(c for c in raw if " " <= c <= "~")
+
+
 class _Client:
-    """Watches one client request for a disconnect (one task for both legs)."""
+    """Watches one client request for a disconnect (one task for both legs) and knows the
+    stage the request is in."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
+        self.request_id = client_request_id(request)
+        self.stage = Stage.PREFILL
         self._gone = asyncio.ensure_future(_wait_disconnect(request))
 
     async def unless_gone(self, work: Awaitable[T]) -> T:
@@ -83,6 +116,8 @@ class _Client:
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
     body = await _client_body(request)
     if isinstance(body, Response):
+        if body.status_code == 499:
+            state.record_departure(client_request_id(request), Stage.RECEIVING)
         outcome = "client_gone" if body.status_code == 499 else "bad_request"
         state.metrics.requests.labels(outcome).inc()
         return body
@@ -97,6 +132,7 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
             state.metrics.requests.labels("upstream_error").inc()
             return error_response(502, "the prefill node returned no kv_transfer_params",
                                   "upstream_error")  # fmt: skip
+        client.stage = Stage.BETWEEN_LEGS
         if state.debug_between_legs_s:
             await asyncio.sleep(state.debug_between_legs_s)
         if client.gone or await request.is_disconnected():  # S3: gone between the legs
@@ -104,6 +140,7 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
             raise ClientGone
         return await _decode_leg(state, client, path, body, backend, answer)
     except ClientGone:
+        state.record_departure(client.request_id, client.stage)
         state.metrics.requests.labels("client_gone").inc()
         return Response(status_code=499)
     finally:
@@ -146,7 +183,7 @@ async def _prefill_leg(
         backend.num_outstanding += 1
         try:
             status, content = await client.unless_gone(
-                _post(backend, path, payload, state.node_headers, state.prefill_timeout_s)
+                _post(backend, path, payload, _leg_headers(state, client), state.prefill_timeout_s)
             )
         except UpstreamError as e:
             if isinstance(e, Unreachable):
@@ -189,11 +226,12 @@ async def _decode_leg(
     kv = answer["kv_transfer_params"]
     payload = json.dumps({**body, "kv_transfer_params": kv}).encode()
     prefill_usage = answer.get("usage") or {}
+    client.stage = Stage.DECODE
     for backend in _attempts(state, state.decode):
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
-            send = backend.upstream.post_json(path, payload, state.node_headers,
+            send = backend.upstream.post_json(path, payload, _leg_headers(state, client),
                                               state.decode_timeout_s)  # fmt: skip
             response = await client.unless_gone(send)
         except (ClientGone, UpstreamError) as e:
@@ -211,7 +249,8 @@ async def _decode_leg(
             return await _decode_refused(state, backend, response, prefill, kv)
         if body.get("stream"):
             return StreamingResponse(
-                _relay_stream(state, backend, response, prefill_usage, started),
+                _relay_stream(state, client.request_id, backend, response, prefill_usage,
+                              started),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
         return await _decode_answer(state, client, backend, response, prefill_usage, started)
@@ -241,6 +280,7 @@ async def _decode_answer(
     state: ProxyState, client: _Client, backend: Backend, response: UpstreamResponse,
     prefill_usage: dict[str, Any], started: float,
 ) -> Response:  # fmt: skip
+    client.stage = Stage.ANSWER
     try:
         content = await client.unless_gone(response.read())
     except UpstreamError as e:
@@ -259,6 +299,7 @@ async def _decode_answer(
 
 async def _relay_stream(
     state: ProxyState,
+    request_id: str,
     backend: Backend,
     response: UpstreamResponse,
     prefill_usage: dict[str, Any],
@@ -283,6 +324,8 @@ async def _relay_stream(
         backend.num_outstanding -= 1
         state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
         state.metrics.requests.labels(outcome).inc()
+        if outcome == "client_gone":
+            state.record_departure(request_id, Stage.STREAMING)
 
 
 def _with_merged_usage(line: bytes, prefill_usage: dict[str, Any]) -> bytes:
@@ -310,6 +353,12 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _leg_headers(state: ProxyState, client: _Client) -> dict[str, str]:
+    if not client.request_id:
+        return state.node_headers
+    return {**state.node_headers, "x-request-id": client.request_id}
 
 
 def _attempts(state: ProxyState, pool: BackendPool) -> Iterator[Backend]:

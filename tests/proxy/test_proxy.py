@@ -107,14 +107,31 @@ def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_f
 # -- cancellation windows -----------------------------------------------------------------
 
 
+def departures(proxy: Server, *request_ids: str) -> dict[str, str]:
+    """The proxy's record of these requests' clients leaving: id → stage (waits for all)."""
+    deadline = time.monotonic() + 5
+    while True:
+        rows = httpx.get(f"{proxy.url}/admin/departures", headers=HEADERS, timeout=5).json()
+        found = {r["request_id"]: r["stage"] for r in rows["departures"]
+                 if r["request_id"] in request_ids}  # fmt: skip
+        if len(found) == len(request_ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def test_s1_client_gone_during_the_prefill_leg(cluster: Cluster, proxy_for: Any) -> None:
     proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
     body = completion(make_prompt(400, seed=52), max_tokens=50)
     for timeout_s in (0.002, 0.005, 0.01, 0.02):
         with contextlib.suppress(httpx.TimeoutException):
-            post(proxy, "/v1/completions", body, timeout=timeout_s)
+            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=timeout_s,
+                       headers={**HEADERS, "X-Request-Id": f"s1-{timeout_s}"})  # fmt: skip
     wait_idle(cluster.prefill, 2.0 + 0.5)  # an answer already in flight: the lease
     wait_idle(cluster.decode, 2.0 + 0.5)
+    stages = departures(proxy, "s1-0.002", "s1-0.005", "s1-0.01", "s1-0.02")
+    assert stages["s1-0.002"] == "prefill"  # a 400-token prefill takes longer than 2 ms
+    assert set(stages.values()) <= {"prefill", "between_legs", "decode"}, stages
+    assert len(stages) == 4
 
 
 def test_s3_client_gone_between_the_legs_releases_the_handoff(
@@ -124,23 +141,28 @@ def test_s3_client_gone_between_the_legs_releases_the_handoff(
                       "--debug-delay-between-legs-s", "0.5")  # fmt: skip
     released_before = metric(proxy, "pdserve_proxy_releases_total")
     with pytest.raises(httpx.TimeoutException):
-        post(proxy, "/v1/completions", completion(make_prompt(40, seed=53)), timeout=0.25)
-    assert kv_state(cluster.prefill)["num_handoffs"] == 1  # held while the proxy pauses
+        httpx.post(f"{proxy.url}/v1/completions", json=completion(make_prompt(40, seed=53)),
+                   headers={**HEADERS, "X-Request-Id": "s3-client"}, timeout=0.25)  # fmt: skip
+    handoffs = kv_state(cluster.prefill)["handoffs"]  # held while the proxy pauses
+    assert [h["client_request_id"] for h in handoffs] == ["s3-client"]  # the proxy passed it on
     time.sleep(0.3)  # the pause ends: the proxy finds its client gone
     wait_idle(cluster.prefill, RELEASED_WITHIN_S + 0.1)
     assert metric(proxy, "pdserve_proxy_releases_total") == released_before + 1
     assert kv_state(cluster.decode)["num_running"] == 0  # no decode leg was sent
+    assert departures(proxy, "s3-client") == {"s3-client": "between_legs"}
 
 
 def test_s7_client_gone_during_decode_frees_both_nodes(cluster: Cluster, proxy_for: Any) -> None:
     proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
     body = completion(make_prompt(30, seed=54), max_tokens=400, ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=HEADERS,
+    headers = {**HEADERS, "X-Request-Id": "s7-client"}
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=headers,
                       timeout=30) as response:  # fmt: skip
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
     assert_cluster_idle(cluster)
+    assert departures(proxy, "s7-client") == {"s7-client": "streaming"}
 
 
 # -- retries, dead nodes -------------------------------------------------------------------
@@ -268,7 +290,7 @@ def _send_half_a_request(url: str) -> None:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                     b"authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"authorization: Bearer " + API_KEY.encode() + b"\r\nx-request-id: half\r\n"
                      b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
                      b'{"prompt": [1, 2')  # fmt: skip
 
@@ -293,3 +315,4 @@ def test_a_client_gone_before_its_body_arrived_is_counted_not_a_crash(
             assert time.monotonic() < deadline, f"{server.url} did not count the departure"
             time.sleep(0.05)
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert departures(proxy, "half") == {"half": "receiving"}

@@ -1,7 +1,13 @@
-"""The chaos harness's cluster: prefill and decode nodes, a reference node and a proxy,
-each a process the harness can kill, stop and restart, and a sampler of their KV pools.
+"""The chaos harness's cluster: prefill and decode nodes, a reference node and a proxy, and
+a sampler of the nodes' KV pools.
 
-Life of a node slot: launched → healthy → (SIGKILL: the whole node, API and engine
+Two kinds. A `LocalCluster` is launched by the harness, so it can kill, stop and restart
+nodes; with a `NamespaceBed` its prefill and decode nodes run in two network namespaces
+(two hosts on one machine) and the link between them can be cut or degraded. A cluster
+targeted by URL (`Cluster.targeted`) belongs to someone else: the harness only sends
+requests and reads `/admin/kv`.
+
+Life of a local node slot: launched → healthy → (SIGKILL: the whole node, API and engine
 processes, as when a machine dies | SIGTERM: it drains and exits) → restarted on the same
 port with the same flags → healthy again. The proxy keeps the slot's URL throughout.
 """
@@ -10,11 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
-from pdserve.proxy.launch import Node, kill, launch, stop, wait_healthy
+from pdserve.bench.chaos.netns import NamespaceBed
+from pdserve.proxy.launch import Node, NodeError, kill, launch, stop, wait_healthy
 
 
 @dataclass
@@ -22,14 +29,15 @@ class Slot:
     name: str
     role: str
     args: list[str]
-    port: int = 0
+    url: str = ""
     node: Node | None = None
+    """The process, when the harness launched it."""
     restarts: int = 0
     down_since_s: float | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
 
 @dataclass
@@ -41,21 +49,93 @@ class Sample:
     num_blocks: int
 
 
-@dataclass
-class LocalCluster:
-    node_args: list[str]
-    num_prefill: int
-    num_decode: int
-    api_key: str
-    env: dict[str, str] = field(default_factory=dict)
-    slots: list[Slot] = field(default_factory=list)
-    proxy: Node | None = None
-    reference: Node | None = None
-    samples: list[Sample] = field(default_factory=list)
-    _stop_sampling: threading.Event = field(default_factory=threading.Event)
-    _started_s: float = field(default_factory=time.monotonic)
+class Cluster:
+    """Nodes the harness observes: their URLs, the keys, a clock, KV samples."""
+
+    def __init__(self, api_key: str, node_api_key: str) -> None:
+        self.api_key = api_key
+        """What clients send to the proxy."""
+        self.node_api_key = node_api_key
+        """The nodes' key: admin views, aborts, legs sent straight to a node."""
+        self.slots: list[Slot] = []
+        self.proxy_url = ""
+        self.reference_url: str | None = None
+        """A single node on the same model, for the greedy comparison."""
+        self.samples: list[Sample] = []
+        self._stop_sampling = threading.Event()
+        self._started_s = time.monotonic()
+
+    @property
+    def owns_processes(self) -> bool:
+        return False
+
+    @property
+    def node_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.node_api_key}"}
+
+    @classmethod
+    def targeted(
+        cls, proxy_url: str, prefill_urls: list[str], decode_urls: list[str],
+        reference_url: str | None, api_key: str, node_api_key: str,
+    ) -> Cluster:  # fmt: skip
+        """A running cluster, by URL; raises `httpx.HTTPError` if a node cannot be reached."""
+        cluster = cls(api_key, node_api_key)
+        for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
+            for i, url in enumerate(urls, 1):
+                cluster.slots.append(Slot(f"{role}-{i}", role, [], url.rstrip("/")))
+        cluster.proxy_url = proxy_url.rstrip("/")
+        cluster.reference_url = reference_url.rstrip("/") if reference_url else None
+        for url in [s.url for s in cluster.slots] + [cluster.proxy_url]:
+            httpx.get(f"{url}/health", timeout=10).raise_for_status()
+        cluster.start_sampling()
+        return cluster
+
+    def start_sampling(self) -> None:
+        self._started_s = time.monotonic()
+        threading.Thread(target=self._sample_loop, daemon=True).start()
+
+    def now_s(self) -> float:
+        return time.monotonic() - self._started_s
+
+    def _sample_loop(self) -> None:
+        with httpx.Client(headers=self.node_headers, timeout=2.0) as http:
+            while not self._stop_sampling.wait(0.1):
+                for slot in self.slots:
+                    try:
+                        kv = http.get(f"{slot.url}/admin/kv").json()
+                    except (httpx.HTTPError, ValueError):
+                        continue  # down or restarting
+                    total, held = kv["num_blocks"], kv["num_held_blocks"]
+                    used = total - kv["num_free_blocks"]
+                    self.samples.append(Sample(self.now_s(), slot.name, used, held, total))
+
+    def stop(self) -> None:
+        self._stop_sampling.set()
+
+
+class LocalCluster(Cluster):
+    """P prefill and D decode nodes, a reference node and a proxy, launched here (in
+    `bed`'s namespaces when given; the proxy and the reference node stay in this one)."""
+
+    def __init__(
+        self, node_args: list[str], num_prefill: int, num_decode: int, api_key: str,
+        env: dict[str, str] | None = None, bed: NamespaceBed | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(api_key, api_key)
+        self.node_args = node_args
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.env = env or {}
+        self.bed = bed
+        self._processes: list[Node] = []
+        """The proxy and the reference node."""
+
+    @property
+    def owns_processes(self) -> bool:
+        return True
 
     def start(self, lease_s: float) -> None:
+        """Everything launched at once (starting is mostly imports and loading); ready when
+        every node is healthy and the proxy sees them all up."""
         roles = ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
@@ -63,21 +143,36 @@ class LocalCluster:
             extra = ["--lease-s", str(lease_s)] if role == "prefill" else []
             self.slots.append(Slot(f"{role}-{counts[role]}", role, ["--role", role, *extra]))
         for slot in self.slots:
-            slot.node = launch([*self.node_args, *slot.args], self.env)
-            slot.port = int(slot.node.url.rsplit(":", 1)[1])
-        self.reference = launch(self.node_args, self.env)
-        for node in [s.node for s in self.slots] + [self.reference]:
-            assert node is not None
-            wait_healthy(node)
+            slot.node = self._launch(slot)
+            slot.url = slot.node.url
+        reference = launch(self.node_args, self.env)
         proxy_args = ["--api-key", self.api_key, "--health-interval-s", "0.2"]
         for slot in self.slots:
             proxy_args += [f"--{slot.role}", slot.url]
-        self.proxy = wait_healthy(launch(proxy_args, self.env, command="proxy"), 60)
-        self._started_s = time.monotonic()
-        threading.Thread(target=self._sample_loop, daemon=True).start()
+        proxy = launch(proxy_args, self.env, command="proxy")
+        self._processes += [reference, proxy]
+        for node in [s.node for s in self.slots] + self._processes:
+            assert node is not None
+            wait_healthy(node)
+        self.reference_url, self.proxy_url = reference.url, proxy.url
+        self._wait_proxy_sees_all(60.0)
+        self.start_sampling()
 
-    def now_s(self) -> float:
-        return time.monotonic() - self._started_s
+    def _wait_proxy_sees_all(self, timeout_s: float) -> None:
+        want = {"num_prefill_up": self.num_prefill, "num_decode_up": self.num_decode}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{self.proxy_url}/health", timeout=5).json()
+            if all(health.get(k) == v for k, v in want.items()):
+                return
+            time.sleep(0.1)
+        raise NodeError(f"the proxy does not see every node up: {health}")
+
+    def _launch(self, slot: Slot, port: int | None = None) -> Node:
+        args = [*self.node_args, *slot.args]
+        if self.bed is not None:
+            return self.bed.launch_in(slot.role, args, self.env, port)
+        return launch(args, self.env, port=port)
 
     # -- faults --------------------------------------------------------------------------
 
@@ -94,27 +189,16 @@ class LocalCluster:
         return stop(slot.node, timeout_s)
 
     def restart(self, slot: Slot) -> None:
-        slot.node = wait_healthy(launch([*self.node_args, *slot.args], self.env, port=slot.port))
+        slot.node = wait_healthy(self._launch(slot, slot.port))
         slot.restarts += 1
         slot.down_since_s = None
 
-    # -- observation ---------------------------------------------------------------------
-
-    def _sample_loop(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        with httpx.Client(headers=headers, timeout=2.0) as http:
-            while not self._stop_sampling.wait(0.1):
-                for slot in self.slots:
-                    try:
-                        kv = http.get(f"{slot.url}/admin/kv").json()
-                    except (httpx.HTTPError, ValueError):
-                        continue  # down or restarting
-                    total, held = kv["num_blocks"], kv["num_held_blocks"]
-                    used = total - kv["num_free_blocks"]
-                    self.samples.append(Sample(self.now_s(), slot.name, used, held, total))
-
     def stop(self) -> None:
-        self._stop_sampling.set()
-        for node in [self.proxy, self.reference] + [s.node for s in self.slots]:
-            if node is not None:
-                stop(node, 30)
+        """SIGTERM to every process at once (each drains), then wait for all."""
+        super().stop()
+        nodes = self._processes + [s.node for s in self.slots if s.node is not None]
+        for node in nodes:
+            if node.process.poll() is None:
+                node.process.terminate()
+        for node in nodes:
+            stop(node, 30)

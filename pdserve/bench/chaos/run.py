@@ -1,14 +1,17 @@
-"""`pdserve bench chaos`: a local cluster under a seeded storm of requests and faults, then
-the checks that make pdserve's promise measurable.
+"""`pdserve bench chaos`: a cluster under a seeded storm of requests and faults, then the
+checks that make pdserve's promise measurable.
 
-    start the cluster (P prefill, D decode, a reference node, a proxy)
+    start a local cluster (P prefill, D decode, a reference node, a proxy; with --netns the
+    prefill and decode nodes in two network namespaces), or target one by URL (--proxy)
     → load for --duration-s, faults at seeded times: SIGKILL a decode node and a prefill
       node (each restarted), SIGTERM a node (restarted after it drained), a burst that
-      exhausts KV blocks
-    → stop the load; checks: every node's KV pool empty within the lease; no engine died
-      unless killed on purpose; every completed greedy output equals the reference node's;
-      no 5xx except around a killed or stopping node; every unauthenticated abort refused
-    → report (report.json, report.md, plots) in --report; exit status 1 on any violation.
+      exhausts KV blocks, and with --netns a partition of the node-to-node link (S12) and
+      netem latency and loss on it. A fault that cannot apply is skipped and reported:
+      process faults on a cluster the harness did not start, network faults without
+      --netns, netem where the kernel lacks it
+    → stop the load; checks (`checks.py`); each cancel labelled with the stage it hit
+    → report (report.json, report.md, plots) in --report; exit status 1 on any violation,
+      77 when --netns cannot create namespaces here.
 """
 
 from __future__ import annotations
@@ -18,37 +21,65 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from pdserve.bench.chaos.cluster import LocalCluster, Slot
-from pdserve.bench.chaos.report import write_report
-from pdserve.bench.chaos.workload import RequestRecord, Workload, generate_load
+from pdserve.bench.chaos import checks
+from pdserve.bench.chaos.cluster import Cluster, LocalCluster, Slot
+from pdserve.bench.chaos.netns import NamespaceBed, NamespaceUnavailable
+from pdserve.bench.chaos.report import headline, summary, write_report
+from pdserve.bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
 
 logger = logging.getLogger(__name__)
 
 API_KEY = "chaos-key"
-FAULT_GRACE_S = 2.0
-"""A client error this close to a fault on a node is that fault's, not a defect."""
+FAULT_KINDS = ("kill", "burst", "sigterm", "partition", "netem")
+NETEM_SPEC = ("delay", "20ms", "5ms", "loss", "1%")
+RELEASE_WATCH_S = 15.0
+"""How long a departed request's handoff is watched (past the lease: a leak)."""
+EXIT_SKIPPED = 77
 
 
 def add_parser(bench_sub: Any) -> None:
-    p = bench_sub.add_parser("chaos", help="faults and cancellations against a local cluster")
+    p = bench_sub.add_parser("chaos", help="faults and cancellations against a cluster")
     p.add_argument("--duration-s", type=float, default=60.0)
-    p.add_argument("--num-prefill", type=int, default=2)
-    p.add_argument("--num-decode", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="directory for report.json/.md and plots")
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32", help="float32: greedy outputs compare exactly")
     p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     p.add_argument("--max-inflight", type=int, default=16)
-    p.add_argument("--lease-s", type=float, default=3.0)
-    p.add_argument("--num-kv-blocks", type=int, default=128)
     p.add_argument("--long-prompt-tokens", type=int, default=300)
+    p.add_argument("--faults", default=",".join(FAULT_KINDS),
+                   help="comma-separated subset of " + ", ".join(FAULT_KINDS))  # fmt: skip
+    p.add_argument("--lease-s", type=float, default=None,
+                   help="prefill nodes' lease: set on a local cluster (default 3); for one "
+                        "by URL, the lease its nodes use (default 5, serve's)")  # fmt: skip
+    local = p.add_argument_group("a local cluster (the default)")
+    local.add_argument("--num-prefill", type=int, default=2)
+    local.add_argument("--num-decode", type=int, default=2)
+    local.add_argument("--model", default="default")
+    local.add_argument("--dtype", default="float32", help="float32: greedy outputs compare exactly")
+    local.add_argument("--num-kv-blocks", type=int, default=128)
+    local.add_argument("--netns", action="store_true",
+                       help="prefill and decode nodes in two network namespaces (needs root): "
+                            "KV over UCX TCP, link partitions and netem")  # fmt: skip
+    target = p.add_argument_group("a running cluster, by URL")
+    target.add_argument("--proxy", default=None, metavar="URL", help="its proxy (the clients')")
+    target.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill node behind it (repeat for each)")  # fmt: skip
+    target.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode node behind it (repeat for each)")  # fmt: skip
+    target.add_argument("--reference", default=None, metavar="URL",
+                        help="a single node on the same model, to compare greedy outputs "
+                             "with (the comparison is skipped without one)")  # fmt: skip
+    target.add_argument("--api-key", default=None, help="the proxy's key")
+    target.add_argument(
+        "--node-api-key",
+        default=None,
+        help="the nodes' key (admin views, aborts); default: --api-key",
+    )
     p.set_defaults(func=run)
 
 
@@ -59,76 +90,181 @@ class Fault:
     start_s: float
     end_s: float = 0.0
     detail: str = ""
+    kv_bytes_at_start: float = 0.0
+    """Network faults: KV bytes read by decode nodes, cumulative, once the fault held."""
+    kv_bytes_at_end: float = 0.0
 
 
 @dataclass
 class ChaosRun:
     args: argparse.Namespace
-    cluster: LocalCluster
+    cluster: Cluster
+    lease_s: float = 3.0
     faults: list[Fault] = field(default_factory=list)
-    killed: set[str] = field(default_factory=set)
-    release_histograms: dict[str, dict[str, float]] = field(default_factory=dict)
+    faulting: set[str] = field(default_factory=set)
+    """Nodes down for a fault until restarted."""
+    enabled: set[str] = field(default_factory=set)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Fault kinds and checks that did not run, and why."""
+    counters: checks.NodeCounters = field(default_factory=checks.NodeCounters)
+    departure_stages: dict[str, str] = field(default_factory=dict)
+    """X-Request-Id → the proxy's stage when its client left."""
 
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per sample otherwise
-    node_args = ["--model", args.model, "--dtype", args.dtype, "--api-key", API_KEY,
-                 "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", "512"]  # fmt: skip
-    env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "PDSERVE_LOG_LEVEL": "WARNING"}
-    cluster = LocalCluster(node_args, args.num_prefill, args.num_decode, API_KEY, env)
-    chaos = ChaosRun(args, cluster)
+    problem = _usage_problem(args)
+    if problem:
+        print(f"bench chaos: {problem}")
+        return 2
+    started_s = time.monotonic()
+    bed = None
+    if args.netns:
+        try:
+            bed = NamespaceBed.create()
+        except NamespaceUnavailable as e:
+            print(f"bench chaos --netns: skipped: {e}")
+            return EXIT_SKIPPED
     try:
-        cluster.start(args.lease_s)
-        records, workload = asyncio.run(_load_and_faults(chaos))
-        violations = _check(chaos, records, workload)
+        try:
+            chaos = _prepare(args, bed)
+        except httpx.HTTPError as e:  # a cluster targeted by URL that is not there
+            print(f"bench chaos: cannot reach the cluster: {e}")
+            return 2
+        logger.info("cluster ready after %.1f s", time.monotonic() - started_s)
+        try:
+            records, workload = asyncio.run(_load_and_faults(chaos, bed))
+            logger.info("load and faults done after %.1f s", time.monotonic() - started_s)
+            violations = _check(chaos, records, workload)
+            logger.info("checks done after %.1f s", time.monotonic() - started_s)
+        finally:
+            chaos.cluster.stop()
     finally:
-        cluster.stop()
-    report = _summary(chaos, records, workload, violations)
-    print(_headline(report))
+        if bed is not None:
+            bed.remove()
+    report = summary(chaos, records, workload, violations)
+    print(headline(report))
     if args.report:
-        write_report(Path(args.report), report, cluster.samples, chaos.faults)
+        write_report(Path(args.report), report, chaos.cluster.samples)
         print(f"report: {args.report}/report.md")
     return 1 if violations else 0
+
+
+def _usage_problem(args: argparse.Namespace) -> str:
+    unknown = set(args.faults.split(",")) - set(FAULT_KINDS) - {""}
+    if unknown:
+        return f"unknown fault kinds {sorted(unknown)}; known: {', '.join(FAULT_KINDS)}"
+    if args.proxy and (not args.prefill or not args.decode):
+        return "--proxy needs the nodes behind it: --prefill URL and --decode URL (each repeatable)"
+    if args.proxy and args.netns:
+        return "--netns starts a local cluster in namespaces; it does not apply with --proxy"
+    if not args.proxy and (args.prefill or args.decode or args.reference):
+        return "--prefill, --decode and --reference target a running cluster: add --proxy URL"
+    return ""
+
+
+def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
+    """Start or reach the cluster; decide which faults and checks apply."""
+    wanted = {k for k in args.faults.split(",") if k}
+    if args.proxy:
+        api_key = args.api_key or ""
+        cluster = Cluster.targeted(args.proxy, args.prefill, args.decode, args.reference,
+                                   api_key, args.node_api_key or api_key)  # fmt: skip
+        chaos = ChaosRun(args, cluster, lease_s=args.lease_s or 5.0)
+        reason = "the cluster was targeted by URL: the harness cannot kill or restart its nodes"
+        chaos.skipped.update({k: reason for k in ("kill", "sigterm") if k in wanted})
+    else:
+        node_args = ["--model", args.model, "--dtype", args.dtype, "--api-key", API_KEY,
+                     "--num-kv-blocks", str(args.num_kv_blocks),
+                     "--max-model-len", "512"]  # fmt: skip
+        env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "PDSERVE_LOG_LEVEL": "WARNING"}
+        local = LocalCluster(node_args, args.num_prefill, args.num_decode, API_KEY, env, bed)
+        chaos = ChaosRun(args, local, lease_s=args.lease_s or 3.0)
+        try:
+            local.start(chaos.lease_s)
+        except BaseException:
+            local.stop()
+            raise
+    if bed is None:
+        reason = "a network fault needs --netns (prefill and decode nodes in two namespaces)"
+        chaos.skipped.update({k: reason for k in ("partition", "netem") if k in wanted})
+    elif "netem" in wanted:
+        try:
+            bed.set_netem(*NETEM_SPEC)
+            bed.clear_netem()
+        except NamespaceUnavailable as e:
+            chaos.skipped["netem"] = str(e)
+    if chaos.cluster.reference_url is None:
+        chaos.skipped["greedy check"] = "no --reference node to compare with"
+    chaos.enabled = wanted - set(chaos.skipped)
+    return chaos
 
 
 # -- load and faults ------------------------------------------------------------------------
 
 
-async def _load_and_faults(chaos: ChaosRun) -> tuple[list[RequestRecord], Workload]:
+async def _load_and_faults(
+    chaos: ChaosRun, bed: NamespaceBed | None
+) -> tuple[list[RequestRecord], Workload]:
     args, cluster = chaos.args, chaos.cluster
-    assert cluster.proxy is not None and cluster.reference is not None
-    workload = Workload(cluster.proxy.url, API_KEY, args.seed, _has_chat(cluster.reference.url),
-                        args.long_prompt_tokens, cluster.now_s)  # fmt: skip
-    rng = random.Random(args.seed)
-    d = args.duration_s
-    plan = sorted([
-        (rng.uniform(0.15, 0.25) * d, "kill", "decode"),
-        (rng.uniform(0.35, 0.45) * d, "burst", ""),
-        (rng.uniform(0.5, 0.6) * d, "kill", "prefill"),
-        (rng.uniform(0.7, 0.8) * d, "sigterm", rng.choice(["prefill", "decode"])),
-    ])  # fmt: skip
     prefill_urls = [s.url for s in cluster.slots if s.role == "prefill"]
+    watcher = ReleaseWatcher(prefill_urls, cluster.node_headers, RELEASE_WATCH_S, cluster.now_s)
+    workload = Workload(cluster.proxy_url, cluster.api_key, cluster.node_headers, args.seed,
+                        _has_chat(cluster), args.long_prompt_tokens, cluster.now_s,
+                        watcher)  # fmt: skip
+    rng = random.Random(args.seed)
+    plan = _plan(chaos, rng)
     bursts = [t for t, kind, _ in plan if kind == "burst"]
-    load = asyncio.create_task(generate_load(workload, d, args.rate, args.max_inflight,
-                                             prefill_urls, bursts))  # fmt: skip
+    chaos.counters.scrape(cluster.slots)
+    load = asyncio.create_task(generate_load(workload, args.duration_s, args.rate,
+                                             args.max_inflight, prefill_urls, bursts))  # fmt: skip
+    restarts: list[asyncio.Future[None]] = []
     for at_s, kind, role in plan:
         await asyncio.sleep(max(0.0, at_s - cluster.now_s()))
         if kind == "burst":
             chaos.faults.append(Fault("burst", "all", cluster.now_s(), cluster.now_s() + 1))
-            continue
-        slot = rng.choice([s for s in cluster.slots if s.role == role])
-        await asyncio.to_thread(_inject, chaos, slot, kind)
+        elif kind in ("partition", "netem"):
+            assert bed is not None
+            await _network_fault(chaos, bed, kind)
+        else:  # a restart takes a while: the next fault does not wait for it
+            slot = await _healthy_slot(chaos, role, rng)
+            chaos.faulting.add(slot.name)
+            restarts.append(asyncio.ensure_future(asyncio.to_thread(_inject, chaos, slot, kind)))
     await load
+    await asyncio.gather(*restarts)
     return workload.records, workload
+
+
+async def _healthy_slot(chaos: ChaosRun, role: str, rng: random.Random) -> Slot:
+    """A node of `role`, once none of that role is down for another fault: one node at a
+    time per role (the others carry the load meanwhile)."""
+    slots = [s for s in chaos.cluster.slots if s.role == role]
+    while any(s.name in chaos.faulting for s in slots):
+        await asyncio.sleep(0.1)
+    return rng.choice(slots)
+
+
+def _plan(chaos: ChaosRun, rng: random.Random) -> list[tuple[float, str, str]]:
+    """(time, kind, role) of each enabled fault, drawn from the seed."""
+    d = chaos.args.duration_s
+    plan = [
+        (rng.uniform(0.15, 0.25) * d, "kill", "decode"),
+        (rng.uniform(0.35, 0.45) * d, "burst", ""),
+        (rng.uniform(0.5, 0.6) * d, "kill", "prefill"),
+        (rng.uniform(0.7, 0.8) * d, "sigterm", rng.choice(["prefill", "decode"])),
+        (rng.uniform(0.27, 0.33) * d, "partition", ""),
+        (rng.uniform(0.62, 0.68) * d, "netem", ""),
+    ]  # fmt: skip
+    return sorted(p for p in plan if p[1] in chaos.enabled)
 
 
 def _inject(chaos: ChaosRun, slot: Slot, kind: str) -> None:
     cluster = chaos.cluster
-    _scrape_releases(chaos)  # a restarted node starts its metrics from zero
+    assert isinstance(cluster, LocalCluster)
+    chaos.counters.scrape(cluster.slots)  # its counts, before they are lost
     fault = Fault(kind, slot.name, cluster.now_s())
     if kind == "kill":
         cluster.kill(slot)
-        chaos.killed.add(slot.name)
         time.sleep(1.0)  # down for a while: the proxy must route around it
     else:
         status = cluster.terminate(slot)
@@ -136,149 +272,77 @@ def _inject(chaos: ChaosRun, slot: Slot, kind: str) -> None:
     cluster.restart(slot)
     fault.end_s = cluster.now_s()
     chaos.faults.append(fault)
+    chaos.faulting.discard(slot.name)
     logger.info("%s of %s: %.1f-%.1f s %s", kind, slot.name, fault.start_s, fault.end_s,
                 fault.detail)  # fmt: skip
 
 
-def _has_chat(url: str) -> bool:
+async def _network_fault(chaos: ChaosRun, bed: NamespaceBed, kind: str) -> None:
+    """The node-to-node link cut (partition) or degraded (netem) for a lease and a second:
+    long enough that unrenewed handoffs expire."""
+    cluster = chaos.cluster
+    fault = Fault(kind, "prefill-decode link", cluster.now_s())
+    if kind == "partition":
+        await asyncio.to_thread(bed.set_link, False)
+    else:
+        await asyncio.to_thread(bed.set_netem, *NETEM_SPEC)
+        fault.detail = " ".join(NETEM_SPEC)
+    await asyncio.sleep(0.5)  # reads that had ended before the cut reach the counters
+    fault.kv_bytes_at_start = await _kv_bytes_read(chaos)
+    await asyncio.sleep(chaos.lease_s + 0.5)
+    fault.kv_bytes_at_end = await _kv_bytes_read(chaos)
+    if kind == "partition":
+        await asyncio.to_thread(bed.set_link, True)
+    else:
+        await asyncio.to_thread(bed.clear_netem)
+    fault.end_s = cluster.now_s()
+    read_mib = (fault.kv_bytes_at_end - fault.kv_bytes_at_start) / 2**20
+    fault.detail = f"{fault.detail}; KV read meanwhile: {read_mib:.2f} MiB".lstrip("; ")
+    chaos.faults.append(fault)
+
+
+async def _kv_bytes_read(chaos: ChaosRun) -> float:
+    decode = [s for s in chaos.cluster.slots if s.role == "decode"]
+    await asyncio.to_thread(chaos.counters.scrape, decode)
+    return chaos.counters.kv_bytes_read()
+
+
+def _has_chat(cluster: Cluster) -> bool:
+    url, key = cluster.reference_url, cluster.node_api_key
+    if url is None:
+        url, key = cluster.proxy_url, cluster.api_key
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    headers = {"Authorization": f"Bearer {key}"}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     return response.status_code == 200
 
 
-def _scrape_releases(chaos: ChaosRun) -> None:
-    """Add the prefill nodes' release-latency histograms (bucket counts by reason)."""
-    for slot in chaos.cluster.slots:
-        if slot.role != "prefill" or slot.down_since_s is not None:
-            continue
-        try:
-            text = httpx.get(f"{slot.url}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            if not line.startswith("pdserve_handoff_release_seconds_bucket{"):
-                continue
-            labels, value = line.rsplit(" ", 1)
-            fields = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
-            reason, le = fields["reason"].strip('"'), fields["le"].strip('"')
-            hist = chaos.release_histograms.setdefault(reason, {})
-            hist[le] = hist.get(le, 0.0) + float(value)
-
-
-# -- checks -------------------------------------------------------------------------------
+# -- after the load -----------------------------------------------------------------------
 
 
 def _check(chaos: ChaosRun, records: list[RequestRecord], workload: Workload) -> list[str]:
-    violations = _check_idle(chaos) + _check_alive(chaos)
-    _scrape_releases(chaos)
-    violations += _check_outputs(chaos, records)
-    violations += _check_errors(chaos, records)
+    cluster = chaos.cluster
+    violations = checks.check_idle(cluster, chaos.lease_s) + checks.check_alive(cluster)
+    chaos.counters.scrape(cluster.slots)
+    if cluster.reference_url is not None:
+        violations += checks.check_outputs(cluster, records)
+    violations += checks.check_errors(chaos.faults, records)
+    violations += checks.check_network_faults(chaos.faults, records, chaos.counters.kv_bytes_read())
     if workload.accepted_unauthenticated:
         violations.append(f"{workload.accepted_unauthenticated} unauthenticated aborts accepted")
+    chaos.departure_stages = _departure_stages(chaos)
     return violations
 
 
-def _check_idle(chaos: ChaosRun) -> list[str]:
-    """Every node's pool empty within the lease (plus the sweep's tick) after the load."""
-    deadline = time.monotonic() + chaos.args.lease_s + 1.0
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    pending = list(chaos.cluster.slots)
-    last: dict[str, Any] = {}
-    while pending and time.monotonic() < deadline:
-        for slot in list(pending):
-            try:
-                kv = httpx.get(f"{slot.url}/admin/kv", headers=headers, timeout=5).json()
-            except httpx.HTTPError as e:
-                last[slot.name] = str(e)
-                continue
-            last[slot.name] = kv
-            if kv["num_free_blocks"] == kv["num_blocks"] and kv["num_handoffs"] == 0:
-                pending.remove(slot)
-        time.sleep(0.05)
-    return [f"{s.name} still holds KV after the lease: {last.get(s.name)}" for s in pending]
-
-
-def _check_alive(chaos: ChaosRun) -> list[str]:
-    out = []
-    for slot in chaos.cluster.slots:
-        assert slot.node is not None
-        if slot.node.process.poll() is not None:
-            out.append(f"{slot.name} exited ({slot.node.process.returncode}) unasked")
-            continue
-        try:
-            health = httpx.get(f"{slot.url}/health", timeout=5).status_code
-        except httpx.HTTPError:
-            health = 0
-        if health != 200:
-            out.append(f"{slot.name} is unhealthy ({health}): its engine died")
-    return out
-
-
-def _check_outputs(chaos: ChaosRun, records: list[RequestRecord]) -> list[str]:
-    """Every completed greedy output equals the reference node's for the same request."""
-    reference = chaos.cluster.reference
-    assert reference is not None
-    out = []
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(headers=headers, timeout=120) as http:
-        for r in records:
-            if r.plan != "complete" or not r.greedy or r.status != 200 or r.token_ids is None:
-                continue
-            path = "/v1/chat/completions" if r.chat else "/v1/completions"
-            expected = http.post(f"{reference.url}{path}", json={**r.body, "stream": False})
-            want = expected.json()["choices"][0]["token_ids"]
-            if want != r.token_ids:
-                out.append(f"request {r.index} corrupted: {r.token_ids} != reference {want}")
-    return out
-
-
-def _check_errors(chaos: ChaosRun, records: list[RequestRecord]) -> list[str]:
-    """A 5xx (or a failed connection) outside every fault's window is a defect."""
-    windows = [(f.start_s - FAULT_GRACE_S, f.end_s + FAULT_GRACE_S) for f in chaos.faults]
-    out = []
-    for r in records:
-        failed = r.status >= 500 or (r.status == 0 and r.error and r.plan == "complete")
-        if not failed:
-            continue
-        if any(lo <= r.start_s <= hi or lo <= r.end_s <= hi for lo, hi in windows):
-            continue
-        out.append(f"request {r.index} ({r.plan}) failed outside any fault: {r.status} "
-                   f"{r.error[:200]}")  # fmt: skip
-    return out
-
-
-# -- summary ------------------------------------------------------------------------------
-
-
-def _summary(chaos: ChaosRun, records: list[RequestRecord], workload: Workload,
-             violations: list[str]) -> dict[str, Any]:  # fmt: skip
-    outcomes: dict[str, dict[str, int]] = {}
-    for r in records:
-        outcome = "ok" if r.status == 200 else ("client_left" if r.status == 0 else str(r.status))
-        plan = outcomes.setdefault(r.plan, {})
-        plan[outcome] = plan.get(outcome, 0) + 1
-    greedy_checked = sum(1 for r in records if r.plan == "complete" and r.greedy
-                         and r.status == 200 and r.token_ids is not None)  # fmt: skip
-    config = {k: v for k, v in vars(chaos.args).items() if k != "func"}
-    return {
-        "config": config,
-        "num_requests": len(records),
-        "outcomes": outcomes,
-        "faults": [asdict(f) for f in chaos.faults],
-        "greedy_outputs_checked": greedy_checked,
-        "unauthenticated_aborts_refused": workload.refused_unauthenticated,
-        "release_histograms": chaos.release_histograms,
-        "violations": violations,
-    }
-
-
-def _headline(report: dict[str, Any]) -> str:
-    faults = ", ".join(f"{f['kind']} {f['node']}" for f in report["faults"])
-    status = "OK" if not report["violations"] else f"{len(report['violations'])} VIOLATIONS"
-    lines = [f"chaos: {report['num_requests']} requests, faults: {faults}; "
-             f"{report['greedy_outputs_checked']} greedy outputs checked; "
-             f"{report['unauthenticated_aborts_refused']} unauthenticated aborts refused: "
-             f"{status}"]  # fmt: skip
-    lines += [f"  - {v}" for v in report["violations"][:20]]
-    return "\n".join(lines)
+def _departure_stages(chaos: ChaosRun) -> dict[str, str]:
+    """X-Request-Id → stage, from the proxy's record of the clients that left."""
+    cluster = chaos.cluster
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    try:
+        response = httpx.get(f"{cluster.proxy_url}/admin/departures", headers=headers, timeout=10)
+        response.raise_for_status()
+        rows = response.json()["departures"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        chaos.skipped["cancel stages"] = f"the proxy has no record of departures ({e})"
+        return {}
+    return {row["request_id"]: row["stage"] for row in rows if row.get("request_id")}

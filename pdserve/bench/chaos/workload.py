@@ -11,15 +11,19 @@ Plans (drawn per request from the seed):
   handoff with its token, or abandons it to its lease;
 - `unauthenticated_abort`: an abort without credentials, or with a forged token, that every
   node must refuse (401/403).
+
+Every request through the proxy carries `X-Request-Id: chaos-<seed>-<index>`. When its
+client leaves, `ReleaseWatcher` times how long a prefill node still lists a handoff for it,
+and the proxy's record of the departure (`/admin/departures`) says which stage it hit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,20 +47,94 @@ class RequestRecord:
     """HTTP status; 0 when the client left (cancelled) or the connection failed."""
     token_ids: list[int] | None = None
     error: str = ""
+    request_id: str = ""
+    """Its X-Request-Id (requests through the proxy)."""
+    departed_s: float | None = None
+    """When the client left before the end of its answer."""
+    prefill_release_s: float | None = None
+    """Departure → no prefill node lists a handoff for it (None: not within the watch)."""
+
+
+POLL_S = 0.01
+
+
+@dataclass
+class ReleaseWatcher:
+    """Polls the prefill nodes' `/admin/kv` while some departed request is watched, and
+    answers, per request, the time from its departure to the first poll, sent after the
+    departure, in which no prefill node lists a handoff with its X-Request-Id: an upper
+    bound on the release (by up to a poll round), for the stages that hold a handoff.
+
+    A node that refuses connections is down and holds nothing; any other failed poll
+    concludes nothing."""
+
+    prefill_urls: list[str]
+    headers: dict[str, str]
+    timeout_s: float
+    clock: Any = time.monotonic
+    _waiting: dict[str, tuple[float, asyncio.Future[float | None]]] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+
+    async def released_after(self, http: httpx.AsyncClient, request_id: str,
+                             departed_s: float) -> float | None:  # fmt: skip
+        """Seconds from `departed_s` (on `clock`) to the release; None: not within the
+        timeout."""
+        future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = (departed_s, future)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._poll(http))
+        return await future
+
+    async def _poll(self, http: httpx.AsyncClient) -> None:
+        while self._waiting:
+            started = self.clock()
+            held = await self._held(http)
+            now = self.clock()
+            for request_id, (departed, future) in list(self._waiting.items()):
+                if held is not None and started >= departed and request_id not in held:
+                    future.set_result(now - departed)
+                elif now - departed > self.timeout_s:
+                    future.set_result(None)
+                else:
+                    continue
+                del self._waiting[request_id]
+            await asyncio.sleep(POLL_S)
+
+    async def _held(self, http: httpx.AsyncClient) -> set[str] | None:
+        """X-Request-Ids with a live handoff on some prefill node (None: unknown)."""
+        held: set[str] = set()
+        for node in await asyncio.gather(*(self._held_on(http, u) for u in self.prefill_urls)):
+            if node is None:
+                return None
+            held |= node
+        return held
+
+    async def _held_on(self, http: httpx.AsyncClient, url: str) -> set[str] | None:
+        try:
+            response = await http.get(f"{url}/admin/kv", headers=self.headers, timeout=2)
+            return {row.get("client_request_id") or "" for row in response.json()["handoffs"]}
+        except httpx.ConnectError:
+            return set()  # down: holds nothing
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
 
 @dataclass
 class Workload:
     proxy_url: str
     api_key: str
+    node_headers: dict[str, str]
+    """For legs and releases sent straight to a node (the `between_legs` plan)."""
     seed: int
     chat: bool
     long_prompt_tokens: int
     clock: Any
     """Seconds since the run started (the cluster's clock)."""
+    watcher: ReleaseWatcher
     records: list[RequestRecord] = field(default_factory=list)
     refused_unauthenticated: int = 0
     accepted_unauthenticated: int = 0
+    watches: list[asyncio.Task[None]] = field(default_factory=list)
 
     def make(self, index: int, rng: random.Random, burst: bool = False) -> RequestRecord:
         """A request and its plan; `burst`: a long one that runs to the end."""
@@ -77,7 +155,8 @@ class Workload:
         else:
             body["prompt"] = [rng.randrange(3, 300) for _ in range(length)]
         stream = plan == "stream_cancel" or (plan == "complete" and rng.random() < 0.4)
-        return RequestRecord(index, plan, self.clock(), chat, stream, greedy, body)
+        return RequestRecord(index, plan, self.clock(), chat, stream, greedy, body,
+                             request_id=f"chaos-{self.seed}-{index}")  # fmt: skip
 
     async def run(self, http: httpx.AsyncClient, record: RequestRecord, rng: random.Random,
                   prefill_urls: list[str]) -> None:  # fmt: skip
@@ -88,8 +167,10 @@ class Workload:
                 await self._unauthenticated_abort(http, record, rng, prefill_urls)
             elif record.plan == "cancel":
                 delay_s = math.exp(rng.uniform(math.log(0.001), math.log(2.0)))
-                with contextlib.suppress(asyncio.TimeoutError):
+                try:
                     await asyncio.wait_for(self._send(http, record), delay_s)
+                except asyncio.TimeoutError:
+                    record.departed_s = self.clock()
             else:
                 await self._send(http, record, stop_after_chunks=rng.randint(1, 6)
                                  if record.plan == "stream_cancel" else None)  # fmt: skip
@@ -97,14 +178,23 @@ class Workload:
             record.error = f"{type(e).__name__}: {e}"
         record.end_s = self.clock()
         self.records.append(record)
+        if record.departed_s is not None:
+            self.watches.append(asyncio.create_task(self._watch_release(http, record)))
+
+    async def _watch_release(self, http: httpx.AsyncClient, record: RequestRecord) -> None:
+        assert record.departed_s is not None
+        record.prefill_release_s = await self.watcher.released_after(
+            http, record.request_id, record.departed_s
+        )
 
     async def _send(self, http: httpx.AsyncClient, record: RequestRecord,
                     stop_after_chunks: int | None = None) -> None:  # fmt: skip
         path = "/v1/chat/completions" if record.chat else "/v1/completions"
         body = {**record.body, "stream": record.stream}
         url = f"{self.proxy_url}{path}"
+        headers = {"X-Request-Id": record.request_id}
         if not record.stream:
-            response = await http.post(url, json=body)
+            response = await http.post(url, json=body, headers=headers)
             record.status = response.status_code
             if response.status_code == 200:
                 record.token_ids = response.json()["choices"][0].get("token_ids")
@@ -112,7 +202,7 @@ class Workload:
                 record.error = response.text[:300]
             return
         tokens: list[int] = []
-        async with http.stream("POST", url, json=body) as response:
+        async with http.stream("POST", url, json=body, headers=headers) as response:
             record.status = response.status_code
             num_chunks = 0
             async for line in response.aiter_lines():
@@ -127,6 +217,7 @@ class Workload:
                 num_chunks += 1
                 if stop_after_chunks is not None and num_chunks >= stop_after_chunks:
                     record.status = 0  # the client leaves mid-stream
+                    record.departed_s = self.clock()
                     return
         record.token_ids = tokens if record.status == 200 else None
 
@@ -136,7 +227,8 @@ class Workload:
         record.body = {"prompt": record.body.get("prompt") or [5, 6, 7], "max_tokens": 4,
                        "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
         node = rng.choice(prefill_urls)
-        response = await http.post(f"{node}/v1/completions", json=record.body)
+        response = await http.post(f"{node}/v1/completions", json=record.body,
+                                   headers=self.node_headers)  # fmt: skip
         record.status = response.status_code
         if response.status_code != 200:
             return
@@ -204,3 +296,4 @@ async def generate_load(workload: Workload, duration_s: float, rate: float, max_
             tasks.add(asyncio.create_task(one(index, plan_rng, burst=False)))
             tasks = {t for t in tasks if not t.done()}
         await asyncio.gather(*tasks)
+        await asyncio.gather(*workload.watches)
