@@ -6,8 +6,8 @@ the best time is the one least disturbed by other work.
 
 - linear: every layer's four weights plus the LM head, as one decode step reads them
   (distinct weights per layer, so the step streams them from memory as a real one does),
-  for 1..`--max-m` rows: the kernel against `F.linear` (oneDNN). `SMALL_M` in
-  model/cpu_kernels.py comes from this sweep.
+  for 1..`--max-m` rows and 16/32/64: the kernel `CpuKernels.route` picks (small-M or
+  AMX) against `F.linear` (oneDNN). The routing limits in cpu_kernels.py come from this.
 - decode attention: the kernel reading the paged cache in place against gathering the
   blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
 - the copy bandwidth of this machine, for the batch-1 weight-read floor.
@@ -82,8 +82,11 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
     print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}")
-    for m in range(1, args.max_m + 1):
+    packed = [[kernels.pack_amx(w) for w in ws] for ws in layers] if kernels.amx else None
+    head_packed = kernels.pack_amx(head) if kernels.amx else None
+    for m in (*range(1, args.max_m + 1), 16, 32, 64):
         xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
+        amx = kernels.route(xs[h], head) == "amx"
 
         def step(linear: Callable[..., torch.Tensor], xs: dict[int, torch.Tensor] = xs) -> None:
             for ws in layers:
@@ -91,10 +94,17 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
                     linear(xs[w.shape[1]], w, None)
             linear(xs[h], head, None)
 
+        def step_amx(xs: dict[int, torch.Tensor] = xs) -> None:
+            assert packed is not None and head_packed is not None
+            for ws, ps in zip(layers, packed, strict=True):
+                for w, p in zip(ws, ps, strict=True):
+                    kernels.linear_amx(xs[w.shape[1]], p, None)
+            kernels.linear_amx(xs[h], head_packed, None)
+
         base = best_of(lambda: step(F.linear), args.repeat)
-        ours = best_of(lambda: step(kernels.linear), args.repeat)
+        ours = best_of(step_amx if amx else lambda: step(kernels.linear), args.repeat)
         speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}"
-        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}")
+        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {'AMX' if amx else 'small-M'}")
 
 
 def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:

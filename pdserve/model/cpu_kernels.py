@@ -35,9 +35,10 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 HEAD_SIZES = (32, 64, 128, 256)
 """Head sizes the decode-attention kernel is specialised for."""
 SMALL_M = 6
-"""Largest row count that `linear` sends to the kernel; above it oneDNN's GEMM (AMX on
-these CPUs) is as fast. From `pdserve bench kernels` (2 threads, one decode step's
-weights, 2026-11-30): kernel 15 ms vs oneDNN 20-29 ms for 2-6 rows, even at 7, 1.1x at 8."""
+"""Without AMX, the most rows the small-M kernel takes; above it oneDNN is as fast.
+From `pdserve bench kernels` (2 threads, one decode step's weights, 2026-11-30):
+small-M 10-16 ms vs oneDNN 22 ms for 1-6 rows; with AMX: AMX 10-11 ms for 3-16 rows,
+15 ms at 32 (oneDNN 31 ms), 32 ms at 64 (oneDNN 41 ms)."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -48,7 +49,16 @@ _SIGNATURES = {
     "pd_silu_mul": [_P, _P, _I, _I],
     "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P],
     "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
+    "pd_amx_init": [],
+    "pd_amx_available": [],
 }
+_RETURNS_INT = ("pd_decode_attention", "pd_amx_init", "pd_amx_available")
+AMX_MAX_M = 64
+"""Most rows the AMX linear takes in one pass over the weights (four 16-row tiles);
+above it (prefill chunks) oneDNN's GEMM is compute-bound and fast."""
+AMX_SMALL_M = 2
+"""With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 
 
 def _cpu_flags() -> set[str]:
@@ -125,23 +135,51 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name == "pd_decode_attention" else None
+            fn.restype = ctypes.c_int if name in _RETURNS_INT else None
         self._lib = lib
+        # AMX needs the CPU, a build with AMX enabled, and the kernel's permission.
+        self.amx = bool(lib.pd_amx_available()) and lib.pd_amx_init() == 0
 
-    @staticmethod
-    def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.shape[0] <= SMALL_M and weight.shape[1] % 32 == 0
+    def route(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
+        """Which kernel computes x @ weight^T: "small" (weight-streaming, few rows), "amx"
+        (up to AMX_MAX_M rows, weight packed by `pack_amx`), or None (oneDNN)."""
+        m, (n, k) = x.shape[0], weight.shape
+        if k % 32:
+            return None
+        amx = self.amx and n % 16 == 0
+        if m <= (AMX_SMALL_M if amx else SMALL_M):
+            return "small"
+        return "amx" if amx and m <= AMX_MAX_M else None
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [M, K] @ weight[N, K]^T (+ bias) for M <= SMALL_M, K % 32 == 0."""
+        """x [M, K] @ weight[N, K]^T (+ bias) for few rows (`route` says "small")."""
         m, k = x.shape
         n = weight.shape[0]
         y = torch.empty((m, n), dtype=x.dtype)
         x = x.contiguous()
         self._lib.pd_linear_small(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
                                   m, n, k)  # fmt: skip
+        return y
+
+    @staticmethod
+    def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> 16x32 VNNI tiles: tile[j][kb][r][2c + e] = W[16j + c][32kb + 2r + e]."""
+        n, k = weight.shape
+        tiles = weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+        return tiles.contiguous()
+
+    def linear_amx(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] (M <= AMX_MAX_M) times the weight `pack_amx` packed (+ bias)."""
+        m, k = x.shape
+        n = packed.numel() // k
+        y = torch.empty((m, n), dtype=x.dtype)
+        x = x.contiguous()
+        self._lib.pd_linear_amx(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(),
+                                m, n, k)  # fmt: skip
         return y
 
     def add_rms_norm(

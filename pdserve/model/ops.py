@@ -7,8 +7,10 @@
 - `CpuKernelOps`: bf16 on x86-64 CPUs with AVX512-BF16, through the fused kernels in
   `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
   one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
-  and a weight-streaming linear for 1-6 rows (batch-1 decode reads its weights ~2x
-  faster than oneDNN does). Larger GEMMs and prefill attention stay on PyTorch.
+  and linears for decode-sized batches that read each weight once per step: a
+  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights for up to 64
+  (oneDNN repacks per call and reads weights at half the speed). Prefill-sized GEMMs and
+  prefill attention stay on PyTorch.
 
 The residual stream is carried as (x, delta): each layer's two norms first add the
 pending delta into x in place, which is what lets the kernel fuse add and norm.
@@ -104,7 +106,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class CpuKernelOps(TorchOps):
     """bf16 on the CPU through the fused kernels; falls back per call where a shape
-    does not fit a kernel (more than `SMALL_M` rows for a linear)."""
+    does not fit a kernel (a prefill-sized linear goes to oneDNN)."""
 
     name = "cpu-kernels"
     paged_decode = True
@@ -113,8 +115,14 @@ class CpuKernelOps(TorchOps):
         self.k = kernels
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if self.k.supports_linear(x, layer.weight):
+        route = self.k.route(x, layer.weight)
+        if route == "small":
             return self.k.linear(x, layer.weight, layer.bias)
+        if route == "amx":
+            packed = getattr(layer, "amx_weight", None)
+            if packed is None:  # packed on first use, kept beside the weight
+                packed = layer.amx_weight = self.k.pack_amx(layer.weight.detach())
+            return self.k.linear_amx(x, packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:

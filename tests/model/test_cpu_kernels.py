@@ -50,13 +50,25 @@ def test_linear_small(k: Any, m: int, n: int) -> None:
     bf16_close(k.linear(x, w, None), F.linear(x.float(), w.float()))
 
 
+@pytest.mark.parametrize("m", [7, 16, 20, 33, 64])
+def test_linear_amx(k: Any, m: int) -> None:
+    if not k.amx:
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(m)
+    x, w, b = torch.randn(m, 192, dtype=BF16), torch.randn(96, 192, dtype=BF16), torch.randn(96)
+    bias = b.to(BF16)
+    bf16_close(k.linear_amx(x, k.pack_amx(w), bias), F.linear(x.float(), w.float(), bias.float()))
+
+
 def test_linear_routes_by_rows(k: Any) -> None:
     ops = CpuKernelOps(k)
     layer = torch.nn.Linear(64, 32, bias=False).to(BF16)
-    assert k.supports_linear(torch.empty(cpu_kernels.SMALL_M, 64), layer.weight)
-    assert not k.supports_linear(torch.empty(cpu_kernels.SMALL_M + 1, 64), layer.weight)
-    assert not k.supports_linear(torch.empty(1, 48), torch.empty(8, 48))  # K % 32 != 0
-    for rows in (1, cpu_kernels.SMALL_M + 3):  # both routes give the same numbers
+    small = cpu_kernels.AMX_SMALL_M if k.amx else cpu_kernels.SMALL_M
+    assert k.route(torch.empty(small, 64), layer.weight) == "small"
+    assert k.route(torch.empty(small + 1, 64), layer.weight) == ("amx" if k.amx else None)
+    assert k.route(torch.empty(cpu_kernels.AMX_MAX_M + 1, 64), layer.weight) is None
+    assert k.route(torch.empty(1, 48), torch.empty(8, 48)) is None  # K % 32 != 0
+    for rows in (1, small + 3, cpu_kernels.AMX_MAX_M + 3):  # every route, same numbers
         x = torch.randn(rows, 64, dtype=BF16)
         bf16_close(ops.linear(x, layer), F.linear(x.float(), layer.weight.float()))
 

@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <vector>
 
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__)
@@ -369,3 +372,124 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------
+// AMX linear for 7..64 rows: y[M, N] = x[M, K] W^T (+ bias), W pre-packed into 16x32 VNNI
+// tiles (pd_amx_pack layout, done once per weight in Python): for n-tile j and k-block kb,
+// tile[j][kb][r][2c + e] = W[16 j + c][32 kb + 2 r + e]. Each weight tile is read once per
+// call and multiplied against every 16-row slice of x, so a batch of decodes costs about
+// one pass over the weights, like batch 1; oneDNN repacks the weights on every call at
+// these shapes and reads them at ~8 GB/s.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0-3 accumulators (one per 16-row slice of x), 4 a full x slice, 5 the last
+// (partial) x slice, 6 the weight tile.
+inline void configure_tiles(int64_t M) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  const int slices = static_cast<int>((M + 15) / 16), last = static_cast<int>(M - 16 * (slices - 1));
+  for (int i = 0; i < 4; i++) {
+    cfg.rows[i] = static_cast<uint8_t>(i < slices - 1 ? 16 : (i == slices - 1 ? last : 1));
+    cfg.colsb[i] = 64;
+  }
+  cfg.rows[4] = 16;
+  cfg.colsb[4] = 64;
+  cfg.rows[5] = static_cast<uint8_t>(last);
+  cfg.colsb[5] = 64;
+  cfg.rows[6] = 16;
+  cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+template <int S>  // number of 16-row slices of x
+void amx_ntile(const bf16* x, const bf16* wt, int64_t K, float* c_out) {
+  _tile_zero(0);
+  if (S > 1) _tile_zero(1);
+  if (S > 2) _tile_zero(2);
+  if (S > 3) _tile_zero(3);
+  const int64_t xs = K * 2;  // bytes between rows of x
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(6, wt + kb * 512, 64);
+    const bf16* xk = x + kb * 32;
+    if (S == 1) { _tile_loadd(5, xk, xs); _tile_dpbf16ps(0, 5, 6); }
+    if (S == 2) {
+      _tile_loadd(4, xk, xs); _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, xk + 16 * K, xs); _tile_dpbf16ps(1, 5, 6);
+    }
+    if (S == 3) {
+      _tile_loadd(4, xk, xs); _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(4, xk + 16 * K, xs); _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, xk + 32 * K, xs); _tile_dpbf16ps(2, 5, 6);
+    }
+    if (S == 4) {
+      _tile_loadd(4, xk, xs); _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(4, xk + 16 * K, xs); _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(4, xk + 32 * K, xs); _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, xk + 48 * K, xs); _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+  _tile_stored(0, c_out, 64);
+  if (S > 1) _tile_stored(1, c_out + 256, 64);
+  if (S > 2) _tile_stored(2, c_out + 512, 64);
+  if (S > 3) _tile_stored(3, c_out + 768, 64);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Ask Linux for the AMX tile state (once per process). 0 on success.
+int pd_amx_init(void) {
+  const long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  return static_cast<int>(syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData));
+}
+
+void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t M,
+                   int64_t N, int64_t K) {
+  const int slices = static_cast<int>((M + 15) / 16);
+#pragma omp parallel
+  {
+    configure_tiles(M);
+    alignas(64) float c[4 * 256];
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < N / 16; j++) {
+      const bf16* wt = packed + j * 16 * K;
+      switch (slices) {
+        case 1: amx_ntile<1>(x, wt, K, c); break;
+        case 2: amx_ntile<2>(x, wt, K, c); break;
+        case 3: amx_ntile<3>(x, wt, K, c); break;
+        default: amx_ntile<4>(x, wt, K, c); break;
+      }
+      const __m512 b = bias ? load16(bias + 16 * j) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; m++)
+        store16(y + m * N + 16 * j, _mm512_add_ps(_mm512_loadu_ps(c + (m / 16) * 256 + (m % 16) * 16), b));
+    }
+    _tile_release();
+  }
+}
+
+int pd_amx_available(void) { return 1; }
+
+}  // extern "C"
+
+#else
+
+extern "C" {
+int pd_amx_init(void) { return -1; }
+void pd_linear_amx(const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t) {}
+int pd_amx_available(void) { return 0; }
+}
+
+#endif
