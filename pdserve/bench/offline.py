@@ -91,7 +91,13 @@ def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
     from pdserve import LLM, SamplingParams
     from pdserve.engine.engine import StepTimer
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kernels=kernels)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        kernels=kernels,
+        kv_cache_memory_bytes=kv_cache_bytes(args),
+    )
 
     def run(workload: Workload) -> None:
         params = [
@@ -111,6 +117,19 @@ def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
     run.name = name  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.name  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    """Room for every request's whole context at once (+25%, at least 1 GiB): the budget
+    run_vllm.py gives vLLM, so neither system preempts where the other would not."""
+    from pdserve.model.loader import read_arch
+
+    arch = read_arch(args.model)
+    itemsize = 4 if args.dtype == "float32" else 2
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
+    workload = make_workload(args, arch.vocab_size)
+    tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    return max(1 << 30, int(1.25 * tokens * per_token))
 
 
 def pdserve_torch_runner(args: argparse.Namespace) -> Runner:
