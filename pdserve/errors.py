@@ -49,3 +49,24 @@ class ModelLoadError(PdserveError):
     """The model could not be loaded: missing or corrupt file, unsupported architecture."""
 
     error_type = "model_load_error"
+
+
+class RequestAbortedError(PdserveError):
+    """The server aborted a request it had admitted while its caller was still waiting for
+    the answer. The caller gets this error, never the engine's aborted output (which would
+    read as a completion that stopped early). 409, as gRPC maps ABORTED: final, not a
+    server fault, and not retried by the proxy, so an operator's abort
+    (`POST /v1/abort_requests`) holds end to end. A request whose client left is aborted
+    too, but then nobody is left to answer."""
+
+    http_status = 409
+    error_type = "request_aborted"
+
+
+class ServerShuttingDownError(RequestAbortedError):
+    """A draining node (SIGTERM) gave up on the request: a decode leg that had not loaded
+    its KV yet, or anything still running at `--drain-timeout-s`. Another node can serve
+    it, so 503 `service_unavailable`, as for the new requests a draining node refuses."""
+
+    http_status = 503
+    error_type = "service_unavailable"

@@ -37,3 +37,8 @@ class RequestOutput:
     """When finished: blocks the KV connector kept pinned (a prefill leg's prompt KV)."""
     error: str | None = None
     """Set when the request failed inside the engine (e.g. a remote KV load, policy `fail`)."""
+
+    @property
+    def aborted(self) -> bool:
+        """The engine aborted it (any sample): its outputs are not a completion."""
+        return any(c.finish_reason == "abort" for c in self.outputs)

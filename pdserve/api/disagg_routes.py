@@ -8,6 +8,8 @@ that acts on a handoff. `/v1/abort_requests` takes the admin credential (the API
 the cluster secret: any request) or a `release_token` (the handoff it was minted for,
 only); without either the answer is 401, with a token that does not match every id (another
 handoff's, or ids this node does not know) 403, and in both cases nothing is touched.
+A request the admin aborts while its client waits is answered 409 `request_aborted` (an
+error event, then `[DONE]`, if its stream had started), never as a completion.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.routing import Route
 from pdserve.api.errors import error_response, from_exception, read_json
 from pdserve.disagg.handoff import HandoffTable, Outcome
 from pdserve.disagg.handoff_service import HandoffService
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError
 
 if TYPE_CHECKING:
     from pdserve.api.server import ServerState
@@ -158,15 +160,20 @@ async def abort_requests(state: ServerState, request: Request) -> Response:
         return error_response(403, "the release token does not cover every id",
                               "permission_error")  # fmt: skip
     results = {i: "not_found" for i in ids}
+    running = {i: state.live.resolve(i) for i in ids} if admin else {}
+    running_ids = sorted(set().union(*running.values()))
+    if running_ids:  # before the handoffs' aborts, which abort prefill legs with no error
+        await state.client.abort(running_ids, _aborted_by_operator())
     if state.handoffs is not None:
         results.update(await state.handoffs.abort(ids, token if not admin else None, admin))
-    if admin:
-        for request_id in ids:
-            running = state.live.resolve(request_id)
-            if running:
-                await state.client.abort(sorted(running))
-                results[request_id] = "aborted"
+    results.update({i: "aborted" for i, request_ids in running.items() if request_ids})
     return JSONResponse({"results": [{"id": i, "outcome": results[i]} for i in ids]})
+
+
+def _aborted_by_operator() -> RequestAbortedError:
+    return RequestAbortedError(
+        "aborted by the server: an operator aborted this request (POST /v1/abort_requests)"
+    )
 
 
 def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:

@@ -1,13 +1,18 @@
 """Start, drain and stop one node's server.
 
     listening (health 503) → engine ready (health 200) → SIGTERM/SIGINT:
-    draining (health 503, new requests 503, in-flight ones continue) → all done or
-    `drain_timeout_s` passed → uvicorn closes connections (unfinished requests are cancelled,
-    which aborts them in the engine) → engine process stopped → exit status 0.
+    draining (health 503, new requests 503, in-flight ones continue) → all done, or
+    `drain_timeout_s` passed and the requests left are aborted, each answered 503 (a
+    started stream: an error event, then [DONE]) → uvicorn closes connections → engine
+    process stopped → exit status 0.
 
 P/D nodes (S22): a prefill node's drain also waits until every handoff was read or has
 expired (new prefill legs get 503 meanwhile); a decode node first aborts the decode legs
-that have not loaded their KV yet, which releases their handoffs on the prefill nodes.
+that have not loaded their KV yet, which releases their handoffs on the prefill nodes, and
+answers them 503 (the proxy releases its side too and passes the 503 on).
+
+Whatever the drain aborts ends in `ServerShuttingDownError` for its caller, never in the
+engine's aborted output: that would be a 200 with an empty or cut completion.
 
 The HTTP listener comes up before the engine so that load balancers see a 503 while the
 model loads instead of a refused connection.
@@ -27,6 +32,7 @@ import uvicorn
 from pdserve.api.server import ServerState, create_app
 from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
 from pdserve.engine.async_client import AsyncEngineClient
+from pdserve.errors import ServerShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +65,21 @@ class _DrainingServer(uvicorn.Server):
         logger.info("draining %d in-flight requests", state.num_inflight)
         if state.unloaded_decode_legs:
             logger.info("releasing %d handoffs not read yet", len(state.unloaded_decode_legs))
-            await state.client.abort(sorted(state.unloaded_decode_legs))
+            error = ServerShuttingDownError(
+                "the server is shutting down: this decode leg had not loaded its KV yet"
+            )
+            await state.client.abort(sorted(state.unloaded_decode_legs), error)
         while self._busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self._busy():
-            logger.warning("drain timeout: aborting %d requests", state.num_inflight)
+        running = state.live.request_ids()
+        if running:
+            # Answered by their handlers within uvicorn's grace period (`_FINAL_GRACE_S`).
+            logger.warning("drain timeout: aborting %d requests", len(running))
+            error = ServerShuttingDownError(
+                f"the server is shutting down: the request was still running after the "
+                f"{self.drain_timeout_s:g} s drain"
+            )
+            await state.client.abort(sorted(running), error)
         self.should_exit = True
 
     def _busy(self) -> bool:

@@ -1,4 +1,9 @@
-"""Build OpenAI response bodies (full and streamed) from engine outputs."""
+"""Build OpenAI response bodies (full and streamed) from engine outputs.
+
+Only completions get here: finish_reason "stop" or "length" (None while a stream runs). A
+request that failed or was aborted inside the engine is an error for the caller instead
+(`AsyncEngineClient.generate` raises), never a body with a finish_reason of its own.
+"""
 
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ class ChoiceBuilder:
         return response
 
     def _full_choice(self, c: CompletionOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = _chat_logprobs(c.logprobs)
@@ -90,7 +95,7 @@ class ChoiceBuilder:
             news = c.delta_text or (self.return_token_ids and c.delta_token_ids)
             if not (news or c.finished or (self.chat and c.index not in self._roles_sent)):
                 continue
-            choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c)}
+            choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
             new_logprobs = (
                 c.logprobs[-len(c.delta_token_ids) :] if c.logprobs and c.delta_token_ids else None
             )
@@ -113,10 +118,6 @@ class ChoiceBuilder:
         if not self.include_usage or self._last is None:
             return None
         return {**self._envelope([], chunk=True), "usage": self.usage(self._last)}
-
-
-def _reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason if c.finish_reason in (None, "stop", "length") else "stop"
 
 
 def _completion_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -6,7 +6,10 @@ send it to the engine process → stream SSE chunks or wait for the final output
 client goes away first, leaving the output iterator aborts the request in the engine
 (blocks freed within one engine step). The first engine message is awaited before a
 streaming 200 is committed, so engine-side rejections (prompt too long, …) reach the client
-as 4xx.
+as 4xx. A request the server itself aborts is an error, never a short completion: 503 when
+a drain gave up on it (`ServerShuttingDownError`), 409 when an operator aborted it
+(`RequestAbortedError`); a stream that already sent tokens ends with that error as its
+last event, then `[DONE]`.
 
 P/D legs (`kv_transfer_params`) take the same path with two additions:
 - a prefill leg (prefill node, `do_remote_decode`) runs for exactly one token, and its
@@ -47,7 +50,7 @@ from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.handoff_service import HandoffService
 from pdserve.disagg.params import KVTransferParams, RemoteDecode, RemotePrefill, remote_prefill_from
 from pdserve.engine.async_client import AsyncEngineClient
-from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError, StatusError
 from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,10 @@ class LiveRequests:
 
     def resolve(self, key: str) -> set[str]:
         return set(self._by_key.get(key, ()))
+
+    def request_ids(self) -> set[str]:
+        """Server ids of every request being served."""
+        return {i for ids in self._by_key.values() for i in ids}
 
 
 class ServerState:
@@ -330,7 +337,8 @@ async def _generate(
         )
         first = await _first_or_disconnect(request, outputs)
     except PdserveError as e:
-        if kv is not None and e.error_type != "kv_transfer_error":
+        admitted = isinstance(e, RequestAbortedError) or e.error_type == "kv_transfer_error"
+        if kv is not None and not admitted:
             await state.release_rejected(kv)  # never admitted (after that the connector owns it)
         state.metrics.request_failed(f"http_{e.http_status}")
         return from_exception(e)
@@ -348,12 +356,13 @@ async def _generate(
             state.live.remove(request_id, client_request_id)
 
         return StreamingResponse(
-            _sse(builder, first, outputs), media_type="text/event-stream",
+            _sse(state, builder, first, outputs), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"}, background=BackgroundTask(finish_stream),
         )  # fmt: skip
     try:
         final = await _last_or_disconnect(request, first, outputs)
-    except PdserveError as e:  # e.g. the engine process died mid-request
+    except PdserveError as e:  # the engine process died, or the server aborted it
+        state.metrics.request_failed(f"http_{e.http_status}")
         return from_exception(e)
     if final is None:
         return Response(status_code=499)
@@ -463,12 +472,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _sse(
-    builder: ChoiceBuilder, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    state: ServerState,
+    builder: ChoiceBuilder,
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
 ) -> AsyncIterator[str]:
     """SSE chunks; closing this generator (client gone) closes `outputs`, which aborts.
 
-    An error after the 200 was committed (the engine died) is sent as a final
-    `data: {"error": ...}` event, as vLLM does, instead of a silently cut stream."""
+    An error after the 200 was committed (the engine died, the server aborted the request)
+    is sent as a final `data: {"error": ...}` event, as vLLM does, instead of a silently
+    cut stream or a finish_reason that reads like a completion."""
     try:
         output = first
         while True:
@@ -481,6 +494,7 @@ async def _sse(
         if usage is not None:
             yield f"data: {json.dumps(usage)}\n\n"
     except PdserveError as e:
+        state.metrics.request_failed(f"http_{e.http_status}")
         yield f"data: {json.dumps(error_body(e))}\n\n"
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

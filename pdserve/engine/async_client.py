@@ -5,6 +5,10 @@
 queue that a single reader task fills from the engine's output socket. Leaving the
 iterator early (client gone, error, cancellation) aborts the request in the engine, so
 its KV blocks are freed within one engine step.
+
+A request the server aborts while its caller still iterates (a drain, an operator's abort)
+ends that iteration with the error given to `abort()`: the engine's aborted output (no or
+some tokens, finish_reason "abort") is never yielded as if it were a completion.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pdserve.engine.core_messages import (
     StepOutputs,
 )
 from pdserve.engine.core_process import run_engine_process
-from pdserve.errors import PdserveError, StatusError
+from pdserve.errors import PdserveError, RequestAbortedError, StatusError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -61,6 +65,8 @@ class AsyncEngineClient:
         self.max_model_len = 0
         self.stats = EngineStats()
         self._queues: dict[str, asyncio.Queue[RequestOutput | RequestError]] = {}
+        self._abort_errors: dict[str, PdserveError] = {}
+        """What `generate()` raises for a request the server aborted, until it has."""
         self._dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
@@ -161,15 +167,29 @@ class AsyncEngineClient:
                 finished = item.finished
                 if item.error is not None:  # failed inside the engine (a remote KV load)
                     raise StatusError(item.error, status=502, error_type="kv_transfer_error")
+                if item.aborted:
+                    raise self._abort_errors.get(request_id) or RequestAbortedError(
+                        "the request was aborted by the server"
+                    )
                 yield item
                 if finished:
                     return
         finally:
             del self._queues[request_id]
+            self._abort_errors.pop(request_id, None)
             if not finished:
                 await self.abort([request_id])
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], error: PdserveError | None = None) -> None:
+        """Abort requests in the engine (unknown or finished ids are ignored there).
+
+        `error`: what the callers still iterating over these requests' `generate()` get
+        instead of the aborted output; for the server's own aborts (drain, operator).
+        None where nobody waits for the answer (the caller left)."""
+        if error is not None:
+            for request_id in request_ids:
+                if request_id in self._queues:
+                    self._abort_errors[request_id] = error
         if not self.dead:
             await self._send(AbortRequests(tuple(request_ids)))
 

@@ -306,14 +306,18 @@ async def _relay_stream(
     started: float,
 ) -> AsyncIterator[bytes]:
     """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
-    client left) closes the decode leg's connection, which aborts it on the node."""
+    client left) closes the decode leg's connection, which aborts it on the node. A stream
+    the node ended with an error event (aborted mid-stream: drain timeout, operator) is
+    relayed as it came and counted as an upstream error."""
     outcome = "client_gone"
+    failed = False
     try:
         async for line in response.iter_lines():
             if line.startswith(b"data: {") and b'"usage"' in line:
                 line = _with_merged_usage(line, prefill_usage)
+            failed = failed or line.startswith(b'data: {"error"')
             yield line + b"\n"
-        outcome = "ok"
+        outcome = "upstream_error" if failed else "ok"
     except UpstreamError as e:  # the node died mid-stream: end the stream with an error
         outcome = "upstream_error"
         error = {"error": {"message": f"decode node {backend.url}: {e}",

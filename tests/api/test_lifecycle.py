@@ -54,16 +54,38 @@ def test_health_is_503_while_loading_then_sigterm_drains_in_flight_requests() ->
     assert server.process.wait(30) == 0
 
 
-def test_sigterm_drain_timeout_aborts_and_exits_zero() -> None:
+def test_sigterm_drain_timeout_aborts_with_503s_and_exits_zero() -> None:
+    """What is still running at the drain timeout is aborted and answered as such: 503,
+    or, for a stream that already sent tokens, an error event then [DONE]; never a 200
+    that reads like a completion."""
     server = start_server("--num-kv-blocks", "256", "--drain-timeout-s", "1")
     result: dict[str, Any] = {}
     thread = _post_in_thread(server.url, {**BODY, "max_tokens": 3000}, result)
-    _wait_running(server.url)
+    events: list[str] = []
+
+    def stream() -> None:
+        body = {**BODY, "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/admin/kv", timeout=5).json()["num_running"] < 2:
+        assert time.monotonic() < deadline, "requests never started"
+        time.sleep(0.01)
     start = time.monotonic()
     assert stop_server(server) == 0
     assert time.monotonic() - start < 15
     thread.join(30)
-    assert "error" in result or result["response"].status_code != 200
+    streamer.join(30)
+    response = result["response"]
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "service_unavailable"
+    assert "shutting down" in response.json()["error"]["message"]
+    assert len(events) > 2 and events[-1] == "data: [DONE]"
+    assert '"type": "service_unavailable"' in events[-2]
+    assert all('"finish_reason": null' in e for e in events[:-2])
 
 
 def test_engine_process_death_turns_into_503s_not_hangs() -> None:

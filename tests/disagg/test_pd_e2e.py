@@ -289,22 +289,52 @@ def test_s20_release_and_abort_without_credentials_are_refused(cluster: Cluster)
     assert_both_idle(cluster)
 
 
-def test_running_requests_are_aborted_by_admin_and_report_aborted(cluster: Cluster) -> None:
-    body = completion(make_prompt(10, seed=21), max_tokens=400, ignore_eos=True)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_by_the_admin_is_an_error_never_a_completion(
+    cluster: Cluster, stream: bool
+) -> None:
+    """An operator's abort answers 409 `request_aborted`; a stream that already sent
+    tokens ends with that error event, then [DONE]. Never a 200 that looks finished."""
+    body = completion(make_prompt(10, seed=21), max_tokens=400, ignore_eos=True, stream=stream)
     headers = {**HEADERS, "X-Request-Id": "long-one"}
+    url = f"{cluster.single.url}/v1/completions"
+
+    def abort_once_running() -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while kv_state(cluster.single)["num_running"] == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.005)
+        answer: dict[str, Any] = post(
+            cluster.single, "/v1/abort_requests", {"request_ids": ["long-one"]}
+        ).json()
+        return answer
+
     with httpx.Client(timeout=30) as client:
-        result: dict[str, Any] = {}
-        thread = threading.Thread(
-            target=lambda: result.update(
-                r=client.post(f"{cluster.single.url}/v1/completions", json=body, headers=headers)
+        if stream:
+            events: list[str] = []
+            with client.stream("POST", url, json=body, headers=headers) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    events += [line] if line else []
+                    if len(events) == 3:
+                        outcome = abort_once_running()
+            chunks = [json.loads(e[6:]) for e in events[:-1]]
+            error = chunks[-1]["error"]
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+            assert events[-1] == "data: [DONE]"
+        else:
+            result: dict[str, Any] = {}
+            thread = threading.Thread(
+                target=lambda: result.update(r=client.post(url, json=body, headers=headers))
             )
-        )
-        thread.start()
-        time.sleep(0.3)
-        response = post(cluster.single, "/v1/abort_requests", {"request_ids": ["long-one"]})
-        thread.join()
-    assert response.json()["results"] == [{"id": "long-one", "outcome": "aborted"}]
-    assert result["r"].json()["choices"][0]["finish_reason"] in ("abort", "stop")
+            thread.start()
+            outcome = abort_once_running()
+            thread.join()
+            assert result["r"].status_code == 409, result["r"].text
+            error = result["r"].json()["error"]
+    assert outcome["results"] == [{"id": "long-one", "outcome": "aborted"}]
+    assert (error["type"], error["code"]) == ("request_aborted", 409)
+    assert "aborted by the server" in error["message"]
     wait_idle(cluster.single, RELEASED_WITHIN_S)
 
 

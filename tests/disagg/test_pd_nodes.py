@@ -239,17 +239,33 @@ def test_s22_prefill_node_drains_its_handoffs_before_exiting(cluster: Cluster) -
 
 
 def test_s22_decode_node_releases_unread_handoffs_when_stopped(cluster: Cluster) -> None:
+    """The drain releases the queued legs' handoffs and answers those legs 503, streaming
+    or not (never a 200 with an empty completion). The running request would finish; an
+    admin abort ends it sooner, answered 409."""
     busy = start_server(*node_args(cluster.model, "--role", "decode", "--max-num-seqs", "1",
                                    "--drain-timeout-s", "10"))  # fmt: skip
     try:
-        occupy(busy)
+        occupier, occupied = occupy(busy)
         wait_for(lambda: kv_state(busy)["num_running"] == 1, 10, "the occupier to run")
-        body = completion(make_prompt(40, seed=23), max_tokens=4)
-        kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
-        in_background(lambda: decode_leg(busy, body, kv))
-        wait_for(lambda: kv_state(busy)["num_waiting"] == 1, 10, "the queued leg")
+        queued = []
+        for seed, stream in ((23, False), (24, True)):
+            body = completion(make_prompt(40, seed=seed), max_tokens=4, stream=stream)
+            kv = prefill_leg(cluster.prefill, {**body, "stream": False})["kv_transfer_params"]
+            queued.append(in_background(lambda b=body, k=kv: decode_leg(busy, b, k)))
+        wait_for(lambda: kv_state(busy)["num_waiting"] == 2, 10, "the queued legs")
         busy.process.send_signal(signal.SIGTERM)
         wait_idle(cluster.prefill, RELEASED_WITHIN_S + 0.3)  # released at drain start
+        for thread, result in queued:
+            thread.join(10)
+            response = result["value"]
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+        assert busy.process.poll() is None  # still draining: the occupier runs
+        post(busy, "/v1/abort_requests", {"request_ids": ["occupier"]})
+        occupier.join(10)
+        assert occupied["value"].status_code == 409, occupied["value"].text
+        assert busy.process.wait(10) == 0
     finally:
         stop_server(busy)
 
