@@ -81,6 +81,14 @@ class TorchOps:
         write_kv(kv_layer, k, v, meta)
         return q, k, v
 
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """The step's decode tokens (q [num_decode_tokens, H, D]) over their cached context."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_attention_gathered(q, kv_layer, meta, scale, out)
+        return out
+
     def attention(
         self,
         qkv: torch.Tensor,
@@ -91,12 +99,27 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """qkv [T, H + 2Hkv, D] -> attention output [T, H, D]; stores the step's K/V."""
+        """qkv [T, H + 2Hkv, D] -> attention output [T, H, D]; stores the step's K/V.
+
+        Backends differ in `rotary_write_kv` and `decode_attention`; prefill chunks always
+        go through SDPA (`prefill_attention`)."""
         q, k, v = self.rotary_write_kv(qkv, num_heads, num_kv_heads, rope, kv_layer, meta)
-        out = torch.empty_like(q)
-        decode_attention_gathered(q, kv_layer, meta, scale, out)
+        if not meta.prefills:
+            return self.decode_attention(q, kv_layer, meta, scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.decode_attention(q[:nd], kv_layer, meta, scale)
         prefill_attention(q, k, v, kv_layer, meta, scale, out)
         return out
+
+
+def paged_decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block tables, sequence lengths) for a backend whose decode attention reads the
+    paged cache in place (`paged_decode = True` makes the runner provide them)."""
+    if meta.decode_block_tables is None or meta.decode_seq_lens is None:
+        raise ValueError("paged decode attention needs decode_block_tables and decode_seq_lens")
+    return meta.decode_block_tables, meta.decode_seq_lens
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +157,7 @@ class CpuKernelOps(TorchOps):
     def rope(self, rotary: Any, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return rotary.cos, rotary.sin, positions  # fp32 tables, indexed inside the kernel
 
-    def attention(
+    def rotary_write_kv(
         self,
         qkv: torch.Tensor,
         num_heads: int,
@@ -142,30 +165,21 @@ class CpuKernelOps(TorchOps):
         rope: Any,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """In place in qkv: q, k and v come back as views of it."""
         cos, sin, positions = rope
         self.k.rotary_write_kv(
             qkv, num_heads, num_kv_heads, cos, sin, positions, kv_layer,
             meta.slot_block_ids, meta.slot_offsets,
         )  # fmt: skip
-        q = qkv[:, :num_heads]
-        nd = meta.num_decode_tokens
-        decoded = None
-        if nd:
-            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-            decoded = self.k.decode_attention(
-                q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale
-            )
-            if not meta.prefills:
-                return decoded
-        out = torch.empty_like(q)
-        if decoded is not None:
-            out[:nd] = decoded
-        k = qkv[:, num_heads : num_heads + num_kv_heads]
-        v = qkv[:, num_heads + num_kv_heads :]
-        prefill_attention(q, k, v, kv_layer, meta, scale, out)
-        return out
+        q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        return q, k, v
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        tables, seq_lens = paged_decode_inputs(meta)
+        return self.k.decode_attention(q, kv_layer, tables, seq_lens, scale)
 
 
 TORCH_OPS = TorchOps()

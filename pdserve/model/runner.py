@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,10 +163,7 @@ class ModelRunner:
         """Padded block tables and sequence lengths for decode attention read in place."""
         if not entries:
             return None, None
-        padded = np.zeros((len(entries), max(len(t) for t in tables)), dtype=np.int64)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = table
-        seq_lens = np.array([s.num_context_tokens + 1 for s in entries], dtype=np.int64)
+        padded, seq_lens = _padded_tables(entries, tables, range(len(entries)))
         return torch.from_numpy(padded).to(self.device), torch.from_numpy(seq_lens).to(self.device)
 
     def _decode_groups(
@@ -194,13 +192,9 @@ class ModelRunner:
         entries: tuple[ScheduledRequest, ...],
         tables: list[np.ndarray],
     ) -> DecodeGroup:
-        rows = members if members is not None else list(range(len(entries)))
-        max_blocks = max(len(tables[i]) for i in rows)
-        padded = np.zeros((len(rows), max_blocks), dtype=np.int64)
-        for r, i in enumerate(rows):
-            padded[r, : len(tables[i])] = tables[i]
-        seq_lens = np.array([entries[i].num_context_tokens + 1 for i in rows], dtype=np.int64)
-        keys = np.arange(max_blocks * self.block_size, dtype=np.int64)
+        rows = members if members is not None else range(len(entries))
+        padded, seq_lens = _padded_tables(entries, tables, rows)
+        keys = np.arange(padded.shape[1] * self.block_size, dtype=np.int64)
         mask = np.where(keys[None, :] < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
         dev = self.device
         return DecodeGroup(
@@ -227,3 +221,15 @@ class ModelRunner:
             )
             start += n
         return tuple(chunks)
+
+
+def _padded_tables(
+    entries: tuple[ScheduledRequest, ...], tables: list[np.ndarray], rows: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables of the decode entries `rows`, padded with block 0 to the longest, and
+    the number of tokens each attends to (its context plus the new token)."""
+    padded = np.zeros((len(rows), max(len(tables[i]) for i in rows)), dtype=np.int64)
+    for r, i in enumerate(rows):
+        padded[r, : len(tables[i])] = tables[i]
+    seq_lens = np.array([entries[i].num_context_tokens + 1 for i in rows], dtype=np.int64)
+    return padded, seq_lens

@@ -17,13 +17,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 from types import ModuleType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import AttentionMetadata, prefill_attention
-from pdserve.model.ops import TorchOps
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.ops import TorchOps, paged_decode_inputs
 
 DEFAULT_TILE_N = 64
 """Keys per inner-loop iteration (K and V tiles of TILE_N x head_dim)."""
@@ -202,27 +201,8 @@ class TritonOps(TorchOps):
     name = "triton"
     paged_decode = True
 
-    def attention(
-        self,
-        qkv: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        rope: Any,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        q, k, v = self.rotary_write_kv(qkv, num_heads, num_kv_heads, rope, kv_layer, meta)
-        nd = meta.num_decode_tokens
-        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        if nd and (tables is None or lens is None):
-            raise ValueError("TritonOps needs decode_block_tables and decode_seq_lens")
-        if not meta.prefills:
-            assert tables is not None and lens is not None
-            return paged_decode_attention(q, kv_layer, tables, lens, scale)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if nd:
-            assert tables is not None and lens is not None
-            paged_decode_attention(q[:nd], kv_layer, tables, lens, scale, out=out[:nd])
-        prefill_attention(q, k, v, kv_layer, meta, scale, out)
-        return out
+        tables, seq_lens = paged_decode_inputs(meta)
+        return paged_decode_attention(q, kv_layer, tables, seq_lens, scale)
