@@ -87,7 +87,7 @@ class SelfTimedRunner(Protocol):
     def __call__(self, workload: Workload, repeat: int) -> list[float]: ...
 
 
-def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
+def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "auto") -> Runner:
     from pdserve import LLM, SamplingParams
     from pdserve.engine.engine import StepTimer
 
@@ -96,7 +96,7 @@ def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         kernels=kernels,
-        kv_cache_memory_bytes=kv_cache_bytes(args),
+        kv_cache_memory_bytes=kv_cache_bytes(args, planned),
     )
 
     def run(workload: Workload) -> None:
@@ -119,7 +119,7 @@ def pdserve_runner(args: argparse.Namespace, kernels: str = "auto") -> Runner:
     return run  # type: ignore[return-value]
 
 
-def kv_cache_bytes(args: argparse.Namespace) -> int:
+def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
     """Room for every request's whole context at once (+25%, at least 1 GiB): the budget
     run_vllm.py gives vLLM, so neither system preempts where the other would not."""
     from pdserve.model.loader import read_arch
@@ -127,17 +127,16 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
     arch = read_arch(args.model)
     itemsize = 4 if args.dtype == "float32" else 2
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
-    workload = make_workload(args, arch.vocab_size)
     tokens = workload.num_prompt_tokens + workload.num_output_tokens
     return max(1 << 30, int(1.25 * tokens * per_token))
 
 
-def pdserve_torch_runner(args: argparse.Namespace) -> Runner:
+def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     """pdserve on plain PyTorch ops: what the fused CPU kernels gain, in the same run."""
-    return pdserve_runner(args, kernels="torch")
+    return pdserve_runner(args, planned, kernels="torch")
 
 
-def hf_runner(args: argparse.Namespace) -> Runner:
+def hf_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     from pdserve.bench.hf_reference import hf_model_from_gguf
     from pdserve.model.loader import default_model_path
 
@@ -246,7 +245,9 @@ def hf_dir_for(model: str) -> Path:
     return target
 
 
-PeerFactory = Callable[[argparse.Namespace], Runner]
+PeerFactory = Callable[[argparse.Namespace, Workload], Runner]
+"""Builds an in-process system for `args`; the planned workload sizes what it allocates
+(pdserve's KV pool)."""
 PEERS: dict[str, PeerFactory] = {"hf": hf_runner, "torch": pdserve_torch_runner}
 SELF_TIMED_PEERS = {"vllm": vllm_runner}
 
@@ -306,7 +307,7 @@ def _alternating_runs(
     times. Alternating spreads the shared machines' slow phases over every system instead
     of penalising one; each system's median is reported."""
     warmup = Workload("warm-up", workload.prompts[:2], [4, 4][: len(workload.prompts)])
-    runners = [pdserve_runner(args)] + [peer(args) for peer in peers]
+    runners = [pdserve_runner(args, workload)] + [peer(args, workload) for peer in peers]
     for runner in runners:
         runner(warmup)
     seconds: dict[str, list[float]] = {r.name: [] for r in runners}
