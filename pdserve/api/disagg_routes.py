@@ -5,9 +5,10 @@ node).
 Authentication. `/kv/*` calls need the cluster credential (`--cluster-secret`, default the
 API key) when the node has one, plus the handoff's release token in the body for anything
 that acts on a handoff. `/v1/abort_requests` takes the admin credential (the API key or
-the cluster secret: any request) or a `release_token` (the handoff it was minted for,
-only); without either the answer is 401, with a token that does not match every id (another
-handoff's, or ids this node does not know) 403, and in both cases nothing is touched.
+the cluster secret: any request) or a `release_token` (the handoffs it was minted for,
+only, named by handoff id or by their leg's X-Request-Id); without either the answer is
+401, with a token that does not match every id (another handoff's, or ids this node does
+not know) 403, and in both cases nothing is touched.
 A request the admin aborts while its client waits is answered 409 `request_aborted` (an
 error event, then `[DONE]`, if its stream had started), never as a completion.
 """
@@ -177,10 +178,10 @@ def _aborted_by_operator() -> RequestAbortedError:
 
 
 def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
-    """A release token acts on its own handoff only: every id must be a handoff this node
-    knows (live or recently released) whose token matches. An unknown id cannot be checked
-    against the token, so it is refused too: without the admin key nothing is answered
-    about ids the caller cannot prove are theirs."""
+    """A release token acts on its own handoff only: every id must name a handoff this
+    node knows (live or recently released) whose token matches. An unknown id cannot be
+    checked against the token, so it is refused too: without the admin key nothing is
+    answered about ids the caller cannot prove are theirs."""
     if state.handoffs is None:
         return False
-    return all(state.handoffs.table.token_matches(i, token) is True for i in ids)
+    return all(state.handoffs.table.named(i, token) for i in ids)

@@ -48,7 +48,13 @@ from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
 from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.handoff_service import HandoffService
-from pdserve.disagg.params import KVTransferParams, RemoteDecode, RemotePrefill, remote_prefill_from
+from pdserve.disagg.params import (
+    KVTransferParams,
+    RemoteDecode,
+    RemotePrefill,
+    remote_decode_from,
+    remote_prefill_from,
+)
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError, StatusError
 from pdserve.outputs import RequestOutput
@@ -276,7 +282,7 @@ def _kv_transfer(state: ServerState, data: dict[str, Any]) -> RemoteDecode | Rem
             f"--role {wanted}",
             param="kv_transfer_params",
         )
-    return RemoteDecode() if params.do_remote_decode else remote_prefill_from(params)
+    return remote_decode_from(params) if params.do_remote_decode else remote_prefill_from(params)
 
 
 async def _serve(
@@ -308,7 +314,8 @@ async def _serve(
     keep_registered = False
     try:
         if isinstance(kv, RemoteDecode):
-            return await _serve_prefill_leg(state, request, body, builder, chat, client_request_id)
+            return await _serve_prefill_leg(state, request, body, builder, chat, kv,
+                                            client_request_id)  # fmt: skip
         response = await _generate(state, request, body, builder, chat, kv)
         keep_registered = isinstance(response, StreamingResponse)  # the stream unregisters
         return response
@@ -375,6 +382,7 @@ async def _serve_prefill_leg(
     body: Any,
     builder: ChoiceBuilder,
     chat: bool,
+    kv: RemoteDecode,
     client_request_id: str,
 ) -> Response:
     """One token, then the prompt's KV stays pinned under a new handoff whose params the
@@ -383,13 +391,10 @@ async def _serve_prefill_leg(
                              stop=(), stop_token_ids=())  # fmt: skip
     service = state.handoffs
     assert service is not None  # a prefill leg is only accepted by a prefill node
-    handoff = service.begin(builder.request_id, client_request_id)
+    handoff = service.begin(builder.request_id, client_request_id, kv.release_token)
     outputs = state.metrics.track(
         state.client.generate(
-            builder.request_id,
-            builder.params,
-            **_engine_inputs(body, chat),
-            kv_transfer=RemoteDecode(),
+            builder.request_id, builder.params, **_engine_inputs(body, chat), kv_transfer=kv
         )
     )
     try:
@@ -400,7 +405,8 @@ async def _serve_prefill_leg(
         return from_exception(e)
     if final is None or await request.is_disconnected():
         # Client gone before its answer (S1/S2): nothing stays held. If it leaves after
-        # this check, while the answer is in flight, the lease frees the handoff.
+        # this check, while the answer is in flight, it can release by its own token
+        # (the proxy does), else the lease frees the handoff.
         await service.cancel(handoff)
         return Response(status_code=499)
     answer = builder.full_response(final)

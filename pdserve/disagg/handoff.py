@@ -99,12 +99,17 @@ class HandoffTable:
 
     # -- the prefill node's own transitions ------------------------------------------
 
-    def begin(self, request_id: str, client_request_id: str = "") -> Handoff:
-        """A prefill leg was admitted: mint the handoff (PREFILLING, no blocks pinned yet)."""
+    def begin(
+        self, request_id: str, client_request_id: str = "", release_token: str | None = None
+    ) -> Handoff:
+        """A prefill leg was admitted: mint the handoff (PREFILLING, no blocks pinned yet).
+
+        `release_token` is the leg's own when its caller chose one (the proxy does, so it
+        can release an attempt whose answer it never read), else minted here."""
         handoff = Handoff(
             handoff_id=f"ho-{secrets.token_urlsafe(16)}",
             request_id=request_id,
-            release_token=secrets.token_urlsafe(24),
+            release_token=release_token or secrets.token_urlsafe(24),
             state=HandoffState.PREFILLING,
             client_request_id=client_request_id,
             created_s=self._clock(),
@@ -212,10 +217,13 @@ class HandoffTable:
     def get(self, handoff_id: str) -> Handoff | None:
         return self._handoffs.get(handoff_id)
 
-    def token_matches(self, handoff_id: str, token: str) -> bool | None:
-        """Whether `token` is this handoff's release token; None for an unknown handoff."""
-        handoff = self._handoffs.get(handoff_id)
-        return None if handoff is None else _same_token(token, handoff)
+    def named(self, key: str, token: str | None = None) -> list[Handoff]:
+        """The handoffs `key` names (a handoff id, else a server request id or a client
+        X-Request-Id; live and released), only those whose release token is `token` when
+        one is given: client-chosen ids need not be unique, tokens are (S14)."""
+        handoff = self._handoffs.get(key)
+        named = [handoff] if handoff else self.by_request(key)
+        return named if token is None else [h for h in named if _same_token(token, h)]
 
     def live(self) -> list[Handoff]:
         return [h for h in self._handoffs.values() if h.state is not HandoffState.RELEASED]

@@ -67,8 +67,10 @@ class HandoffService:
 
     # -- the prefill leg -------------------------------------------------------------
 
-    def begin(self, request_id: str, client_request_id: str = "") -> Handoff:
-        return self.table.begin(request_id, client_request_id)
+    def begin(
+        self, request_id: str, client_request_id: str = "", release_token: str | None = None
+    ) -> Handoff:
+        return self.table.begin(request_id, client_request_id, release_token)
 
     async def commit(self, handoff: Handoff, output: RequestOutput) -> bool:
         """The leg's final output: pin its blocks under the handoff. False when the
@@ -115,11 +117,11 @@ class HandoffService:
 
     async def abort(self, ids: list[str], token: str | None, admin: bool) -> dict[str, str]:
         """`POST /v1/abort_requests` on a prefill node: release handoffs (by handoff id,
-        server request id or X-Request-Id) and abort their running prefill legs."""
+        server request id or X-Request-Id; with a token, only those it was minted for) and
+        abort their running prefill legs."""
         results: dict[str, str] = {}
         for request_id in ids:
-            handoff = self.table.get(request_id)
-            handoffs = [handoff] if handoff else self.table.by_request(request_id)
+            handoffs = self.table.named(request_id, None if admin else token)
             if not handoffs:
                 continue
             outcomes = [self.table.release(h.handoff_id, token, admin=admin, reason="aborted")

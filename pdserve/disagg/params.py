@@ -4,7 +4,7 @@ At the HTTP edge they use vLLM's field names (so existing P/D proxies can drive 
 nodes) plus pdserve's own; inside the engine they become one of two frozen types that
 ride on the request for the KV connector:
 
-    prefill leg  {"do_remote_decode": true}                    → RemoteDecode
+    prefill leg  {"do_remote_decode": true[, "release_token"]} → RemoteDecode
     its answer   {"do_remote_prefill": true, "remote_*": …,
                   "epoch", "release_token", "lease_s", …}      (built by the prefill node)
     decode leg   that answer, passed through by the proxy      → RemotePrefill
@@ -46,6 +46,29 @@ class KVTransferParams(BaseModel):
 @dataclass(frozen=True)
 class RemoteDecode:
     """Prefill leg: keep the prompt's KV pinned for a remote decode node."""
+
+    release_token: str | None = None
+    """The caller's token for the handoff, else the node mints one. The proxy chooses it so
+    that it can release an attempt it abandons (its client left, the leg timed out) even
+    when the answer, and so the handoff id, never reached it."""
+
+
+MIN_TOKEN_CHARS, MAX_TOKEN_CHARS = 22, 128
+_TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def remote_decode_from(params: KVTransferParams) -> RemoteDecode:
+    """Validate a prefill leg's params: a chosen token must be hard to guess (400 if not)."""
+    token = params.release_token
+    if token is not None and not (
+        MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS and set(token) <= _TOKEN_ALPHABET
+    ):
+        raise InvalidRequestError(
+            f"kv_transfer_params.release_token must be {MIN_TOKEN_CHARS}-{MAX_TOKEN_CHARS} "
+            "URL-safe base64 characters (secrets.token_urlsafe(24) makes one)",
+            param="kv_transfer_params.release_token",
+        )
+    return RemoteDecode(release_token=token)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import hmac
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import uvicorn
@@ -77,10 +78,18 @@ class ProxyState:
     )
     """The latest clients that left: X-Request-Id, stage, when (`GET /admin/departures`)."""
     http: httpx.AsyncClient = field(init=False)
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    """Releases that must not hold up a request (a retry elsewhere, a 499), awaited at
+    shutdown so that none is dropped."""
 
     @property
     def node_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.node_api_key}"} if self.node_api_key else {}
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def record_departure(self, request_id: str, stage: Stage) -> None:
         self.metrics.departures.labels(stage.value).inc()
@@ -135,6 +144,8 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             yield
         finally:
             checker.cancel()
+            if state.background:  # each release gives up after 2 s
+                await asyncio.wait(set(state.background), timeout=5.0)
             await state.http.aclose()
             for pool in (state.prefill, state.decode):
                 for backend in pool.backends:

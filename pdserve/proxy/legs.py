@@ -3,9 +3,10 @@ pair can end. The proxy is the only component that sees the client between the l
 
     parse the body (400)
     prefill leg on the least loaded prefill node: non-streaming, 1 token, do_remote_decode
-        client gone → the leg is cancelled (the node aborts it: S1/S2)
-        5xx, timeout, unreachable → a fresh attempt on another prefill node; the node of the
-            abandoned attempt sees the connection close and releases its handoff (S17/S19)
+        with a release token the proxy mints for this attempt
+        client gone → the leg is cancelled and released by its token (S1/S2)
+        timeout, broken connection → released by its token; a fresh attempt on another
+            prefill node (S17/S19), as after a 5xx or an unreachable node
         4xx → the same error to the client
     client gone now → release the handoff with its release token (S3)
     decode leg on the least loaded decode node, with the prefill answer's kv_transfer_params
@@ -17,9 +18,15 @@ pair can end. The proxy is the only component that sees the client between the l
     answer: the decode node's, with usage = prompt and cached tokens of the prefill leg +
     completion tokens of the decode leg (stream and non-stream)
 
-The client's X-Request-Id goes with both legs (nodes list it with the handoff, echo it and
-abort by it). A client that leaves is recorded with the `Stage` the proxy was in when it
-noticed (`/admin/departures`, `pdserve_proxy_departures_total`): what its cancel hit.
+The client's X-Request-Id (one is minted when it sent none) goes with both legs: nodes list
+it with the handoff, echo it and abort by it. An abandoned prefill attempt is released by
+that id and the attempt's token, never by waiting for the node to notice: the node cannot
+tell an answer that is in flight when the proxy gives up from one that was delivered, and
+without the token the proxy cannot name a handoff whose answer it never read. The token,
+not the id, picks the handoff: client-chosen ids need not be unique (S14).
+
+A client that leaves is recorded with the `Stage` the proxy was in when it noticed
+(`/admin/departures`, `pdserve_proxy_departures_total`): what its cancel hit.
 
 Only vLLM's `kv_transfer_params` fields are needed; `release_token` is used when present
 (pdserve nodes), else the node credential.
@@ -32,6 +39,7 @@ import contextlib
 import enum
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -87,7 +95,7 @@ class _Client:
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.request_id = client_request_id(request)
+        self.request_id = client_request_id(request) or f"pdproxy-{secrets.token_hex(8)}"
         self.stage = Stage.PREFILL
         self._gone = asyncio.ensure_future(_wait_disconnect(request))
 
@@ -136,7 +144,7 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         if state.debug_between_legs_s:
             await asyncio.sleep(state.debug_between_legs_s)
         if client.gone or await request.is_disconnected():  # S3: gone between the legs
-            await release(state, backend, kv)
+            await release_handoff(state, backend, kv)
             raise ClientGone
         return await _decode_leg(state, client, path, body, backend, answer)
     except ClientGone:
@@ -170,22 +178,27 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
 async def _prefill_leg(
     state: ProxyState, client: _Client, path: str, body: dict[str, Any]
 ) -> tuple[Backend, dict[str, Any]] | Response:
-    leg = {**body, "max_tokens": 1, "stream": False,
-           "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    leg = {**body, "max_tokens": 1, "stream": False}
     leg.pop("stream_options", None)
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
-    payload = json.dumps(leg).encode()
     last_error: Response = error_response(503, "no prefill node is available",
                                           "service_unavailable")  # fmt: skip
     for backend in _attempts(state, state.prefill):
+        token = secrets.token_urlsafe(24)
+        leg["kv_transfer_params"] = {"do_remote_decode": True, "release_token": token}
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
+            payload = json.dumps(leg).encode()
             status, content = await client.unless_gone(
                 _post(backend, path, payload, _leg_headers(state, client), state.prefill_timeout_s)
             )
-        except UpstreamError as e:
+        except (ClientGone, UpstreamError) as e:
+            if not isinstance(e, Unreachable):  # it may have reached the node: let it go
+                state.spawn(release(state, backend, client.request_id, token))
+            if isinstance(e, ClientGone):
+                raise
             if isinstance(e, Unreachable):
                 backend.record(False)
             logger.warning("prefill leg on %s failed: %s", backend.url, e)
@@ -240,7 +253,7 @@ async def _decode_leg(
                 logger.warning("decode node unreachable: %s", e)
                 backend.record(False)
                 continue  # never reached the node: the handoff is still held for another
-            await release(state, prefill, kv)
+            await release_handoff(state, prefill, kv)
             if isinstance(e, ClientGone):
                 raise
             state.metrics.requests.labels("upstream_error").inc()
@@ -254,7 +267,7 @@ async def _decode_leg(
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
         return await _decode_answer(state, client, backend, response, prefill_usage, started)
-    await release(state, prefill, kv)
+    await release_handoff(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
     return error_response(503, "no decode node is available", "service_unavailable")
 
@@ -271,7 +284,7 @@ async def _decode_refused(
     finally:
         response.close()
         backend.num_outstanding -= 1
-    await release(state, prefill, kv)
+    await release_handoff(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
     return _forward_error(response.status, content)
 
@@ -376,20 +389,27 @@ def _attempts(state: ProxyState, pool: BackendPool) -> Iterator[Backend]:
         yield backend
 
 
-async def release(state: ProxyState, backend: Backend, kv: dict[str, Any]) -> None:
-    """Let go of a handoff the proxy will not use (its release token, else the node key)."""
+async def release_handoff(state: ProxyState, backend: Backend, kv: dict[str, Any]) -> None:
+    """Let go of a handoff the proxy will not use, named by the prefill answer's params."""
     handoff_id = kv.get("remote_request_id")
-    if not handoff_id:
-        return
-    body: dict[str, Any] = {"request_ids": [handoff_id]}
-    if kv.get("release_token"):
-        body["release_token"] = kv["release_token"]
+    if handoff_id:
+        await release(state, backend, handoff_id, kv.get("release_token"))
+
+
+async def release(state: ProxyState, backend: Backend, request_id: str, token: str | None) -> None:
+    """Release what `request_id` names on a prefill node (a handoff id, or a leg's
+    X-Request-Id): by its release token, else with the node key (a node that mints no
+    tokens). Refused when the node does not know it (the leg never arrived, or has ended),
+    which is fine: nothing of it is held."""
+    body: dict[str, Any] = {"request_ids": [request_id]}
+    if token:
+        body["release_token"] = token
     state.metrics.releases.inc()
     try:
         await state.http.post(f"{backend.url}/v1/abort_requests", json=body,
                               headers=state.node_headers, timeout=2.0)  # fmt: skip
     except httpx.HTTPError as e:  # its lease frees it
-        logger.warning("release of %s on %s failed: %s", handoff_id, backend.url, e)
+        logger.warning("release of %s on %s failed: %s", request_id, backend.url, e)
 
 
 def _forward_error(status: int, content: bytes) -> Response:

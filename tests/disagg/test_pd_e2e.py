@@ -289,6 +289,33 @@ def test_s20_release_and_abort_without_credentials_are_refused(cluster: Cluster)
     assert_both_idle(cluster)
 
 
+def test_s14_a_leg_with_its_own_token_is_released_by_it_and_its_request_id(
+    cluster: Cluster,
+) -> None:
+    """The proxy's way to let go of an attempt whose answer it never read: the token it
+    chose, with the X-Request-Id it sent. Client ids repeat; the token picks the handoff."""
+    body = completion(make_prompt(20, seed=14))
+    url = f"{cluster.prefill.url}/v1/completions"
+    headers = {**HEADERS, "X-Request-Id": "same-id"}
+    tokens = ["A" * 22, "b-_" * 10]
+    legs = [{**body, "kv_transfer_params": {"do_remote_decode": True, "release_token": t}}
+            for t in tokens]  # fmt: skip
+    answers = [httpx.post(url, headers=headers, json=leg, timeout=30).json() for leg in legs]
+    assert [a["kv_transfer_params"]["release_token"] for a in answers] == tokens
+    release = {"request_ids": ["same-id"], "release_token": tokens[0]}
+    outcome = httpx.post(f"{cluster.prefill.url}/v1/abort_requests", json=release, timeout=5)
+    assert outcome.json()["results"] == [{"id": "same-id", "outcome": "released"}]
+    [left] = kv_state(cluster.prefill)["handoffs"]
+    assert left["handoff_id"] == answers[1]["kv_transfer_params"]["remote_request_id"]
+    assert decode_leg(cluster.decode, body, answers[1]["kv_transfer_params"]).status_code == 200
+    for weak in ("short", "x" * 129, "has space" * 3, 7):
+        leg = {**body, "kv_transfer_params": {"do_remote_decode": True, "release_token": weak}}
+        refused = httpx.post(url, headers=headers, json=leg, timeout=30)
+        assert refused.status_code == 400, refused.text
+        assert "release_token" in refused.json()["error"]["param"]
+    assert_both_idle(cluster)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_aborted_by_the_admin_is_an_error_never_a_completion(
     cluster: Cluster, stream: bool

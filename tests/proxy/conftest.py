@@ -4,6 +4,8 @@ answers a test sets (for upstream errors and hung or broken nodes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -88,3 +90,51 @@ def stub() -> Iterator[Stub]:
     yield state
     server.should_exit = True
     thread.join(timeout=5)
+
+
+@dataclass
+class SlowLink:
+    """A TCP relay to a node that holds each chunk of the node's replies for `delay_s`: a
+    slow link from the node back to the proxy, so a test can leave while an answer the
+    node already sent is still on its way."""
+
+    url: str
+    delay_s: float
+
+
+@pytest.fixture
+def slow_link() -> Iterator[Any]:
+    """`slow_link(node_url, delay_s)` → a SlowLink whose `url` reaches the node (closed
+    afterwards)."""
+    listeners: list[socket.socket] = []
+
+    def pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(65536):
+                time.sleep(delay_s)
+                sink.sendall(chunk)
+        for s in (source, sink):  # one side ended: end the other
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve(listener: socket.socket, upstream: tuple[str, int], delay_s: float) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = listener.accept()
+                far = socket.create_connection(upstream)
+                threading.Thread(target=pump, args=(near, far, 0.0), daemon=True).start()
+                threading.Thread(target=pump, args=(far, near, delay_s), daemon=True).start()
+
+    def start(node_url: str, delay_s: float) -> SlowLink:
+        host, port = node_url.removeprefix("http://").rsplit(":", 1)
+        listener = socket.create_server(("127.0.0.1", 0))
+        listeners.append(listener)
+        threading.Thread(target=serve, args=(listener, (host, int(port)), delay_s),
+                         daemon=True).start()  # fmt: skip
+        return SlowLink(f"http://127.0.0.1:{listener.getsockname()[1]}", delay_s)
+
+    yield start
+    for listener in listeners:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+        listener.close()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -126,12 +127,39 @@ def test_s1_client_gone_during_the_prefill_leg(cluster: Cluster, proxy_for: Any)
         with contextlib.suppress(httpx.TimeoutException):
             httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=timeout_s,
                        headers={**HEADERS, "X-Request-Id": f"s1-{timeout_s}"})  # fmt: skip
-    wait_idle(cluster.prefill, 2.0 + 0.5)  # an answer already in flight: the lease
-    wait_idle(cluster.decode, 2.0 + 0.5)
+    assert_cluster_idle(cluster)  # an answer in flight too: released by its token
     stages = departures(proxy, "s1-0.002", "s1-0.005", "s1-0.01", "s1-0.02")
     assert stages["s1-0.002"] == "prefill"  # a 400-token prefill takes longer than 2 ms
     assert set(stages.values()) <= {"prefill", "between_legs", "decode"}, stages
     assert len(stages) == 4
+
+
+def test_s2_client_gone_while_the_prefill_answer_is_in_flight_releases_it(
+    cluster: Cluster, proxy_for: Any, slow_link: Any
+) -> None:
+    """The node has answered, so it holds the handoff; the answer is still on its way when
+    the client leaves, so the proxy never learns the handoff id. The proxy releases the
+    attempt by the token it chose for it: nothing waits for the lease (found by chaos)."""
+    link = slow_link(cluster.prefill.url, delay_s=0.6)
+    proxy = proxy_for([link.url], [cluster.decode.url])
+    body = completion(make_prompt(40, seed=57))
+
+    def send() -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=0.4,
+                       headers={**HEADERS, "X-Request-Id": "in-flight"})  # fmt: skip
+
+    client = threading.Thread(target=send)
+    client.start()
+    deadline = time.monotonic() + 0.35
+    while not [h for h in kv_state(cluster.prefill)["handoffs"] if h["state"] == "held"]:
+        assert time.monotonic() < deadline, "the prefill node never held the handoff"
+        time.sleep(0.01)
+    client.join()  # left 0.4 s in, the answer due at the proxy about 0.6 s in
+    assert kv_state(cluster.prefill)["num_handoffs"] <= 1
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+    assert departures(proxy, "in-flight") == {"in-flight": "prefill"}
+    assert kv_state(cluster.decode)["num_running"] == 0
 
 
 def test_s3_client_gone_between_the_legs_releases_the_handoff(
