@@ -11,6 +11,9 @@ the best time is the one least disturbed by other work.
 - decode attention: the kernel reading the paged cache in place against gathering the
   blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
 - the copy bandwidth of this machine, for the batch-1 weight-read floor.
+- decode steps of the real model (`--steps-batches`): all layers in one call
+  (`pd_decode_layers`) against the same kernels called per op from Python, alternating,
+  best of `--step-repeat` generations of 64 tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-m", type=int, default=8, help="largest row count for the linear sweep")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--steps-batches",
+        default="1,32",
+        help="batch sizes for the one-call vs per-op decode steps ('' skips them)",
+    )
+    p.add_argument("--step-repeat", type=int, default=3)
     p.set_defaults(func=run)
 
 
@@ -68,7 +77,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s")
     _linear_sweep(kernels, arch, args)
     _attention(kernels, arch, args)
+    if args.steps_batches:
+        _decode_steps(args, [int(b) for b in args.steps_batches.split(",")])
     return 0
+
+
+def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
+    from pdserve import LLM, SamplingParams
+    from pdserve.model.ops import CpuKernelOps, TorchOps
+
+    llm = LLM(args.model, dtype="bfloat16", num_blocks=64 * max(batches), max_model_len=512)
+    if not isinstance(llm.engine.runner.ops, CpuKernelOps):
+        print("\ndecode steps skipped: the model does not run on the CPU kernels")
+        return
+    num_tokens = 64
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    print(f"\ndecode steps, 32-token prompts + 64 tokens, best of {args.step_repeat}")
+    print(f"{'batch':>6}{'per-op tok/s':>14}{'one-call tok/s':>16}{'speed-up':>10}")
+    one_call = CpuKernelOps.run_layers
+    try:
+        for batch in batches:
+            prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
+            best: dict[str, float] = {}
+            impls = (("per-op", TorchOps.run_layers), ("one-call", one_call))
+            for _, impl in impls:
+                CpuKernelOps.run_layers = impl  # type: ignore[method-assign]
+                llm.generate(prompts, params)  # warm-up
+            for _ in range(args.step_repeat):  # alternate: the machine's drift hits both
+                for name, impl in impls:
+                    CpuKernelOps.run_layers = impl  # type: ignore[method-assign]
+                    start = time.perf_counter()
+                    llm.generate(prompts, params)
+                    rate = batch * num_tokens / (time.perf_counter() - start)
+                    best[name] = max(best.get(name, 0.0), rate)
+            ratio = best["one-call"] / best["per-op"]
+            print(f"{batch:>6}{best['per-op']:>14.1f}{best['one-call']:>16.1f}{ratio:>9.2f}x")
+    finally:
+        CpuKernelOps.run_layers = one_call  # type: ignore[method-assign]
 
 
 def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:

@@ -53,7 +53,43 @@ _SIGNATURES = {
     "pd_amx_init": [],
     "pd_amx_available": [],
 }
-_RETURNS_INT = ("pd_decode_attention", "pd_amx_init", "pd_amx_available")
+_RETURNS_INT = ("pd_decode_attention", "pd_amx_init", "pd_amx_available", "pd_decode_layers")
+
+
+class PdLayer(ctypes.Structure):
+    """One decoder layer's weights and KV cache for `pd_decode_layers` (raw pointers)."""
+
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
+                                         "gate_up", "down", "kv", "qkv_amx", "o_amx",
+                                         "gate_up_amx", "down_amx")]  # fmt: skip
+
+
+_SIGNATURES["pd_decode_layers"] = [
+    ctypes.POINTER(PdLayer),
+    _I,
+    _P,
+    _P,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _F,
+    _F,
+    _P,
+    _P,
+    _P,
+    _I,
+    _I,
+    _I,
+    _P,
+    _P,
+    _P,
+    _I,
+    _P,
+    _I,
+]
 AMX_MAX_M = 64
 """Most rows the AMX linear takes in one pass over the weights (four 16-row tiles);
 above it (prefill chunks) oneDNN's GEMM is compute-bound and fast."""
@@ -240,3 +276,42 @@ class CpuKernels:
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")
         return out
+
+    def decode_layers(
+        self,
+        layers: ctypes.Array[PdLayer],
+        x: torch.Tensor,
+        shape: tuple[int, int, int, int],
+        eps: float,
+        scale: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_strides: tuple[int, int, int],
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Every layer of a decode-only step in one call: x [T, hidden] is the residual
+        stream, updated in place; returns the last layer's delta. `layers` holds AMX-packed
+        weights for T > `small_m` (up to AMX_MAX_M), none for T <= `small_m`. `shape` is
+        (heads, kv heads, head size, intermediate size)."""
+        t, hidden = x.shape
+        h, hkv, d, inter = shape
+        delta = torch.empty_like(x)
+        status = self._lib.pd_decode_layers(
+            layers, len(layers), x.data_ptr(), delta.data_ptr(), t, hidden, h, hkv, d, inter,
+            eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), *kv_strides,
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), block_size,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"no decode-attention kernel for head size {d}")
+        return delta
+
+    @property
+    def small_m(self) -> int:
+        """Most rows the small-M linear takes (what `route` sends to "small")."""
+        return AMX_SMALL_M if self.amx else SMALL_M

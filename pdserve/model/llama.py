@@ -177,9 +177,7 @@ class LlamaModel(nn.Module):
         """Run one step; return float32 logits for the tokens at `logits_indices` only."""
         x = self.embed_tokens(input_ids)
         rope = ops.rope(self.rotary, positions, x.dtype)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            delta = layer(x, delta, rope, kv_cache[:, i], meta, ops)
+        delta = ops.run_layers(self, x, rope, kv_cache, meta)
         x = x[logits_indices]
         h = ops.add_rms_norm(x, None if delta is None else delta[logits_indices], self.norm)
         return ops.linear(h, self.lm_head).float()

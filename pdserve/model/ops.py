@@ -89,6 +89,17 @@ class TorchOps:
         decode_attention_gathered(q, kv_layer, meta, scale, out)
         return out
 
+    def run_layers(
+        self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Every decoder layer of `model`: x, the residual stream, is updated in place; the
+        last layer's delta (not yet added) is returned."""
+        delta = None
+        for i, layer in enumerate(model.layers):
+            delta = layer(x, delta, rope, kv_cache[:, i], meta, self)
+        return delta
+
     def attention(
         self,
         qkv: torch.Tensor,
@@ -136,16 +147,49 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels: cpu_kernels.CpuKernels) -> None:
         self.k = kernels
+        self._layer_tables: dict[tuple[int, int, bool], Any] = {}
+
+    def run_layers(
+        self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """A decode-only step runs all layers in one kernel call (`pd_decode_layers`: the
+        same kernels on the same values as the per-op path, so bit-identical) when its rows
+        fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
+        prefill chunk in the step, more rows) runs per op."""
+        t = x.shape[0]
+        amx = t > self.k.small_m
+        table = None
+        if not meta.prefills and t <= (cpu_kernels.AMX_MAX_M if self.k.amx else self.k.small_m):
+            table = self._layer_table(model, kv_cache, amx)
+        if table is None:
+            return super().run_layers(model, x, rope, kv_cache, meta)
+        cos, sin, positions = rope
+        block_tables, seq_lens = paged_decode_inputs(meta)
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
+        s_block, s_kv, s_tok = kv_cache[:, 0].stride()[:3]
+        return self.k.decode_layers(
+            table, x, shape, model.arch.rms_norm_eps, attn.scale, cos, sin, positions,
+            (s_block, s_kv, s_tok), meta.slot_block_ids, meta.slot_offsets,
+            block_tables, seq_lens, kv_cache.shape[3],
+        )  # fmt: skip
+
+    def _layer_table(self, model: Any, kv_cache: torch.Tensor, amx: bool) -> Any:
+        """The layers' weight and cache pointers for `pd_decode_layers`, built once per
+        model, cache and linear kernel; None when a layer does not fit (a bias other than
+        qkv's, an inner size not a multiple of 32, or for AMX an outer one not of 16)."""
+        key = (id(model), kv_cache.data_ptr(), amx)
+        if key not in self._layer_tables:
+            self._layer_tables[key] = _layer_table(self.k, model, kv_cache, amx)
+        return self._layer_tables[key]
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         route = self.k.route(x, layer.weight)
         if route == "small":
             return self.k.linear(x, layer.weight, layer.bias)
         if route == "amx":
-            packed = getattr(layer, "amx_weight", None)
-            if packed is None:  # packed on first use, kept beside the weight
-                packed = layer.amx_weight = self.k.pack_amx(layer.weight.detach())
-            return self.k.linear_amx(x, packed, layer.bias)
+            return self.k.linear_amx(x, _amx_weight(self.k, layer), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
@@ -180,6 +224,37 @@ class CpuKernelOps(TorchOps):
     ) -> torch.Tensor:
         tables, seq_lens = paged_decode_inputs(meta)
         return self.k.decode_attention(q, kv_layer, tables, seq_lens, scale)
+
+
+def _layer_table(
+    kernels: cpu_kernels.CpuKernels, model: Any, kv_cache: torch.Tensor, amx: bool
+) -> Any:
+    layers = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.bias is not None for lin in linears[1:]) or any(
+            lin.weight.shape[1] % 32 or (amx and lin.weight.shape[0] % 16) for lin in linears
+        ):
+            return None
+        packed = [_amx_weight(kernels, lin).data_ptr() if amx else None for lin in linears]
+        layers.append(cpu_kernels.PdLayer(
+            layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
+            None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr(),
+            attn.o_proj.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
+            kv_cache[:, i].data_ptr(), *packed,
+        ))  # fmt: skip
+    return (cpu_kernels.PdLayer * len(layers))(*layers)
+
+
+def _amx_weight(kernels: cpu_kernels.CpuKernels, layer: nn.Linear) -> torch.Tensor:
+    """The layer's weight packed for the AMX linear: packed on first use, kept beside it
+    (twice the weight memory, only on machines and batch sizes that use AMX)."""
+    packed: torch.Tensor | None = getattr(layer, "amx_weight", None)
+    if packed is None:
+        packed = layer.amx_weight = kernels.pack_amx(layer.weight.detach())
+    return packed
 
 
 TORCH_OPS = TorchOps()

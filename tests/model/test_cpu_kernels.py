@@ -202,3 +202,30 @@ def test_default_model_kernels_as_close_to_fp32_as_torch_bf16(
 
     kernel_err, torch_err = error(bf16_llms["auto"]), error(bf16_llms["torch"])
     assert kernel_err <= 1.25 * torch_err + 0.01, (kernel_err, torch_err)
+
+
+def test_decode_only_steps_run_all_layers_in_one_call_bit_identically(
+    bf16_llms: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pd_decode_layers` (small-M linear up to small_m rows, AMX above where the CPU has
+    it) gives exactly the per-op path's logprobs."""
+    from pdserve import SamplingParams
+
+    llm = bf16_llms["auto"]
+    kernels = llm.engine.runner.ops.k
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3,",
+             "Paris is", "import numpy as np"]  # fmt: skip
+    batches = [texts[:1], texts[1:3], texts[:6]]
+
+    def run() -> list[Any]:
+        outputs = [o.outputs[0] for batch in batches for o in llm.generate(batch, params)]
+        return [(s.token_id, s.top) for out in outputs for s in out.logprobs]
+
+    rows: set[int] = set()
+    fused = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: rows.add(a[1].shape[0]) or fused(*a))
+    with_fused = run()
+    assert {1, 2} <= rows and (6 in rows) == kernels.amx, rows
+    monkeypatch.setattr(CpuKernelOps, "run_layers", TorchOps.run_layers)
+    assert run() == with_fused

@@ -371,6 +371,74 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
 #undef PD_DECODE
 }
 
+// ---------------------------------------------------------------------------------------
+// Every decoder layer of a decode-only step (up to AMX_MAX_M rows), in one call. The per-op path
+// makes ~9 calls a layer from Python (~270 a step for a 30-layer model), each costing
+// ~15 microseconds of interpreter, ctypes and allocation time: at batch 1 on the default
+// model that was a fifth of the step (19.1 -> 14.9 ms a step). This runs the same kernels in the same order on the same values, so
+// its output is bit-identical to the per-op path; it only removes the round trips.
+//
+// Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); rotary + KV write;
+// attn = decode attention; o = attn Wo^T; h = add_rms_norm(x, o); act = silu_mul(h Wgu^T);
+// delta = act Wdown^T. x is the residual stream (updated in place); the last layer's
+// delta is written to delta_out (the caller adds it before the final norm).
+
+struct PdLayer {
+  const bf16* input_norm;
+  const bf16* qkv;
+  const bf16* qkv_bias;  // may be null
+  const bf16* o;
+  const bf16* post_norm;
+  const bf16* gate_up;
+  const bf16* down;
+  bf16* kv;  // this layer's cache, addressed with the strides below
+  // The four weights packed for the AMX linear (pd_linear_amx), or all null: then every
+  // linear takes the small-M kernel. The caller picks the table by the step's rows.
+  const bf16* qkv_amx;
+  const bf16* o_amx;
+  const bf16* gate_up_amx;
+  const bf16* down_amx;
+};
+
+void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t M,
+                   int64_t N, int64_t K);
+
+static inline void layer_linear(const bf16* x, const bf16* w, const bf16* packed,
+                                const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K) {
+  if (packed)
+    pd_linear_amx(x, packed, bias, y, M, N, K);
+  else
+    pd_linear_small(x, w, bias, y, M, N, K);
+}
+
+int pd_decode_layers(const PdLayer* layers, int64_t num_layers, bf16* x, bf16* delta_out,
+                     int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t inter, float eps, float scale, const float* cos,
+                     const float* sin, const int64_t* positions, int64_t s_block,
+                     int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
+                     const int64_t* slot_offsets, const int64_t* block_tables,
+                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
+  if (D != 32 && D != 64 && D != 128 && D != 256) return -1;
+  const int64_t width = (H + 2 * Hkv) * D;
+  std::vector<bf16> h(T * hidden), qkv(T * width), attn(T * H * D), gu(T * 2 * inter),
+      act(T * inter), o(T * hidden);
+  for (int64_t l = 0; l < num_layers; l++) {
+    const PdLayer& w = layers[l];
+    pd_add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), T, hidden, eps);
+    layer_linear(h.data(), w.qkv, w.qkv_amx, w.qkv_bias, qkv.data(), T, width, hidden);
+    pd_rotary_write_kv(qkv.data(), T, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
+                       s_tok, slot_blocks, slot_offsets);
+    pd_decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
+                        max_blocks, seq_lens, attn.data(), T, H, Hkv, D, block_size, scale);
+    layer_linear(attn.data(), w.o, w.o_amx, nullptr, o.data(), T, hidden, H * D);
+    pd_add_rms_norm(x, o.data(), w.post_norm, h.data(), T, hidden, eps);
+    layer_linear(h.data(), w.gate_up, w.gate_up_amx, nullptr, gu.data(), T, 2 * inter, hidden);
+    pd_silu_mul(gu.data(), act.data(), T, inter);
+    layer_linear(act.data(), w.down, w.down_amx, nullptr, delta_out, T, hidden, inter);
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------
