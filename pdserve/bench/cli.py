@@ -35,7 +35,7 @@ def add_bench_parser(sub: Any) -> None:
     off.set_defaults(func=_offline)
 
     srv = bench_sub.add_parser("serve", help="online load on an OpenAI-compatible server")
-    srv.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     srv.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     srv.add_argument("--model", default=None, help="default: first id of GET /v1/models")
     srv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
@@ -47,6 +47,12 @@ def add_bench_parser(sub: Any) -> None:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--timeout-s", type=float, default=600.0, help="per connect/read")
     srv.add_argument("--json", action="store_true", help="also print results as JSON")
+    cmp = srv.add_argument_group("--compare: start each system here in turn, instead of --url")
+    cmp.add_argument("--compare", default=None, help="systems to start and load: pdserve,vllm")
+    cmp.add_argument("--compare-model", default="default", help="the model both systems load")
+    cmp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    cmp.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="for each system")
+    cmp.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     srv.set_defaults(func=_serve)
 
     from pdserve.bench.chaos.run import add_parser as add_chaos_parser
@@ -67,6 +73,12 @@ def _offline(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if (args.url is None) == (args.compare is None):
+        raise SystemExit("pdserve bench serve: give --url (a running server) or --compare")
+    if args.compare:
+        from pdserve.bench import serve_compare
+
+        return serve_compare.run(args)
     from pdserve.bench.serve import run
 
     return run(args)

@@ -462,10 +462,10 @@ def format_report(summary: BenchSummary, config: ServeBenchConfig, model: str) -
         lines.append(_row(f"Median {short} (ms):", stats.median_ms))
         lines.append(_row(f"P99 {short} (ms):", stats.p99_ms))
     lines.append("=" * 50)
-    return lines + _failure_lines(summary, config)
+    return lines + failure_lines(summary, config)
 
 
-def _failure_lines(summary: BenchSummary, config: ServeBenchConfig) -> list[str]:
+def failure_lines(summary: BenchSummary, config: ServeBenchConfig) -> list[str]:
     if not summary.failures:
         return []
     shown = summary.failures[:MAX_FAILURE_KINDS_SHOWN]

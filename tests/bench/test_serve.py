@@ -348,3 +348,29 @@ def test_unreachable_url_is_one_clear_line(
     assert captured.out == ""
     (line,) = captured.err.strip().splitlines()
     assert line.startswith(f"pdserve: error: {message}") and url in line
+
+
+def test_compare_starts_each_system_and_reports_side_by_side(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--compare pdserve`: a real pdserve process on the default model, started, loaded
+    and stopped by the bench (vLLM's side needs bench/.venv-vllm, so it is not run here)."""
+    args = ["bench", "serve", "--compare", "pdserve", "--dtype", "float32", "--concurrency",
+            "2", "--num-prompts", "3", "--input-len", "8", "--output-len", "4"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "3 requests x (8 prompt + 4 output tokens)" in out
+    assert report_value(out, "failed requests") == "0"
+    assert float(report_value(out, "output tok/s")) > 0
+
+
+def test_compare_refuses_unknown_systems_and_a_url_with_it() -> None:
+    from pdserve.bench.serve_compare import parse_systems
+
+    with pytest.raises(ConfigError, match="pdserve, vllm"):
+        parse_systems("pdserve,sglang")
+    args = ["bench", "serve", "--compare", "pdserve", "--url", "http://127.0.0.1:1",
+            "--concurrency", "1", "--num-prompts", "1", "--input-len", "1",
+            "--output-len", "1"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--url .* or --compare"):
+        main(args)
