@@ -75,6 +75,34 @@ def test_truncated_gguf(tmp_path: Path) -> None:
         load_model(ModelConfig(model=str(bad)))
 
 
+def test_gguf_reader_reads_what_the_gguf_package_reads() -> None:
+    """Our header reader (fast) against gguf.GGUFReader: every metadata value, and every
+    tensor's name, type, shape and bytes."""
+    import gguf
+    import numpy as np
+
+    from pdserve.model.gguf_file import read_gguf
+
+    fields, tensors, _ = read_gguf(default_model_path())
+    reference = gguf.GGUFReader(str(default_model_path()))
+    expected = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert fields == expected  # "GGUF.*" are the reader's own header entries
+    assert len(tensors) == len(reference.tensors)
+    for ours, theirs in zip(tensors, reference.tensors, strict=True):
+        assert (ours.name, ours.tensor_type) == (theirs.name, theirs.tensor_type)
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
+        assert np.array_equal(ours.data, theirs.data)
+
+
+def test_gguf_cut_inside_its_tensor_data(tmp_path: Path) -> None:
+    data = default_model_path().read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_model(ModelConfig(model=str(bad)))
+
+
 def test_not_a_gguf(tmp_path: Path) -> None:
     bad = tmp_path / "junk.gguf"
     bad.write_bytes(b"this is not a model" * 100)
