@@ -15,7 +15,6 @@ error event, then `[DONE]`, if its stream had started), never as a completion.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import error_response, from_exception, read_json
 from pdserve.disagg.handoff import HandoffTable, Outcome
 from pdserve.disagg.handoff_service import HandoffService
@@ -63,9 +63,8 @@ def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Any]:
 
 
 def is_admin(state: ServerState, request: Request) -> bool:
-    given = request.headers.get("authorization", "").encode()
-    keys = [k for k in (state.api_key, state.cluster_secret) if k]
-    return any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys)
+    given = request.headers.get("authorization", "").encode("latin-1")
+    return bearer_matches(given, state.api_key, state.cluster_secret)
 
 
 async def _json(request: Request) -> dict[str, Any]:

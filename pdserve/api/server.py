@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.api.auth import bearer_matches
 from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.errors import error_body, error_response, from_exception, read_json
 from pdserve.api.metrics import MetricsRecorder
@@ -208,9 +208,7 @@ class EdgeMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         key = self._required_key(scope["path"])
-        if key and not hmac.compare_digest(
-            headers.get("authorization", b""), f"Bearer {key}".encode()
-        ):
+        if key and not bearer_matches(headers.get("authorization", b""), key):
             response = error_response(401, "invalid or missing API key", "authentication_error")
             await response(scope, receive, send)
             return

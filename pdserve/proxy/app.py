@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import error_response
 from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
@@ -171,12 +171,12 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if self.api_key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not bearer_matches(given, self.api_key):
                 response = error_response(401, "invalid or missing API key", "authentication_error")
                 await response(scope, receive, send)
                 return
