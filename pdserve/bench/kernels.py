@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
     from pdserve import LLM, SamplingParams
-    from pdserve.model.ops import CpuKernelOps, TorchOps
+    from pdserve.model.ops import CpuKernelOps
 
     llm = LLM(args.model, dtype="bfloat16", num_blocks=64 * max(batches), max_model_len=512)
     if not isinstance(llm.engine.runner.ops, CpuKernelOps):
@@ -94,18 +94,17 @@ def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     print(f"\ndecode steps, 32-token prompts + 64 tokens, best of {args.step_repeat}")
     print(f"{'batch':>6}{'per-op tok/s':>14}{'one-call tok/s':>16}{'speed-up':>10}")
-    one_call = CpuKernelOps.run_layers
+    ops = llm.engine.runner.ops
     try:
         for batch in batches:
             prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
             best: dict[str, float] = {}
-            impls = (("per-op", TorchOps.run_layers), ("one-call", one_call))
-            for _, impl in impls:
-                CpuKernelOps.run_layers = impl  # type: ignore[method-assign]
-                llm.generate(prompts, params)  # warm-up
+            for one_call in (False, True):  # warm-up
+                ops.one_call = one_call
+                llm.generate(prompts, params)
             for _ in range(args.step_repeat):  # alternate: the machine's drift hits both
-                for name, impl in impls:
-                    CpuKernelOps.run_layers = impl  # type: ignore[method-assign]
+                for name, one_call in (("per-op", False), ("one-call", True)):
+                    ops.one_call = one_call
                     start = time.perf_counter()
                     llm.generate(prompts, params)
                     rate = batch * num_tokens / (time.perf_counter() - start)
@@ -113,7 +112,7 @@ def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
             ratio = best["one-call"] / best["per-op"]
             print(f"{batch:>6}{best['per-op']:>14.1f}{best['one-call']:>16.1f}{ratio:>9.2f}x")
     finally:
-        CpuKernelOps.run_layers = one_call  # type: ignore[method-assign]
+        ops.one_call = True
 
 
 def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:

@@ -71,7 +71,7 @@ class BenchError(PdserveError):
 class ServeBenchConfig:
     """What one `pdserve bench serve` run sends, and where."""
 
-    base_url: str  # server root, without a trailing `/v1`
+    base_url: str  # server root, without a trailing `/v1`; "" until --compare starts one
     api_key: str | None  # sent as `Authorization: Bearer ...` when given
     model: str | None  # None: the first id of GET /v1/models
     endpoint: str  # "completions" or "chat"
@@ -92,14 +92,7 @@ class ServeBenchConfig:
             raise ConfigError("--request-rate must be positive (inf: send all at once)")
         if not args.timeout_s > 0:
             raise ConfigError("--timeout-s must be positive")
-        base_url = args.url.rstrip("/")
-        base_url = base_url.removesuffix("/v1")
-        if not base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--url must start with http:// or https://, got {args.url!r}")
-        try:
-            httpx.URL(base_url)
-        except httpx.InvalidURL as e:
-            raise ConfigError(f"--url {args.url!r} is not a valid URL: {e}") from None
+        base_url = "" if args.url is None else _server_root(args.url)
         return cls(
             base_url=base_url,
             api_key=args.api_key,
@@ -113,6 +106,17 @@ class ServeBenchConfig:
             seed=args.seed,
             timeout_s=args.timeout_s,
         )
+
+
+def _server_root(url: str) -> str:
+    base_url = url.rstrip("/").removesuffix("/v1")
+    if not base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"--url must start with http:// or https://, got {url!r}")
+    try:
+        httpx.URL(base_url)
+    except httpx.InvalidURL as e:
+        raise ConfigError(f"--url {url!r} is not a valid URL: {e}") from None
+    return base_url
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def measure(system: str, args: argparse.Namespace, config: ServeBenchConfig) -> 
 
 def run(args: argparse.Namespace) -> int:
     systems = parse_systems(args.compare)
-    config = ServeBenchConfig.from_args(argparse.Namespace(**{**vars(args), "url": "http://x"}))
+    config = ServeBenchConfig.from_args(args)  # no --url: each system's comes at its start
     results = {}
     for system in systems:
         print(f"{system}: starting and loading it ({config.num_prompts} requests)", flush=True)

@@ -222,16 +222,13 @@ class HandoffTable:
         X-Request-Id; live and released), only those whose release token is `token` when
         one is given: client-chosen ids need not be unique, tokens are (S14)."""
         handoff = self._handoffs.get(key)
-        named = [handoff] if handoff else self.by_request(key)
+        named = [handoff] if handoff else [
+            h for h in self._handoffs.values() if key in (h.request_id, h.client_request_id)
+        ]  # fmt: skip
         return named if token is None else [h for h in named if _same_token(token, h)]
 
     def live(self) -> list[Handoff]:
         return [h for h in self._handoffs.values() if h.state is not HandoffState.RELEASED]
-
-    def by_request(self, request_id: str) -> list[Handoff]:
-        """Handoffs of a server request id or a client X-Request-Id (live and released)."""
-        return [h for h in self._handoffs.values()
-                if request_id in (h.request_id, h.client_request_id)]  # fmt: skip
 
     @property
     def num_live(self) -> int:

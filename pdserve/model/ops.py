@@ -147,6 +147,8 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels: cpu_kernels.CpuKernels) -> None:
         self.k = kernels
+        self.one_call = True
+        """False runs every step per op (what `pdserve bench kernels` compares against)."""
         self._layer_tables: dict[tuple[int, int, bool], Any] = {}
 
     def run_layers(
@@ -160,7 +162,8 @@ class CpuKernelOps(TorchOps):
         t = x.shape[0]
         amx = t > self.k.small_m
         table = None
-        if not meta.prefills and t <= (cpu_kernels.AMX_MAX_M if self.k.amx else self.k.small_m):
+        max_rows = cpu_kernels.AMX_MAX_M if self.k.amx else self.k.small_m
+        if self.one_call and not meta.prefills and t <= max_rows:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)

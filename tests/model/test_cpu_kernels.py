@@ -227,5 +227,5 @@ def test_decode_only_steps_run_all_layers_in_one_call_bit_identically(
     monkeypatch.setattr(kernels, "decode_layers", lambda *a: rows.add(a[1].shape[0]) or fused(*a))
     with_fused = run()
     assert {1, 2} <= rows and (6 in rows) == kernels.amx, rows
-    monkeypatch.setattr(CpuKernelOps, "run_layers", TorchOps.run_layers)
+    monkeypatch.setattr(llm.engine.runner.ops, "one_call", False)
     assert run() == with_fused
