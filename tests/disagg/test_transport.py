@@ -390,6 +390,24 @@ def test_nixl_read_from_a_killed_owner_fails_without_hanging(
 
 @needs_nixl
 @pytest.mark.timeout(60)
+def stop_process(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads has stopped: kill() only
+    queues the signal, and a thread still running could serve the next READ."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not all(_thread_stopped(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
+def _thread_stopped(pid: int, tid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except FileNotFoundError:  # the thread ended meanwhile
+        return True
+
+
 def test_nixl_read_past_its_deadline_holds_the_blocks_until_it_ends() -> None:
     """Over tcp a stalled owner serves a READ when it resumes, however late, even after the
     reader released the handle; so the future waits for NIXL, and only destroying the
@@ -401,7 +419,7 @@ def test_nixl_read_past_its_deadline_holds_the_blocks_until_it_ends() -> None:
         owner.info(), reader.info()
         assert reader.read(owner, [1], [1], timeout_s=10)["ok"]  # wire up the connection
         reader.request({"op": "reset"})
-        os.kill(owner.proc.pid, signal.SIGSTOP)
+        stop_process(owner.proc.pid)
         reader.send(read_command(owner, remote, local, timeout_s=0.3))
         assert reader.try_receive(timeout_s=1.5) is None  # deadline long gone: still busy
         os.kill(owner.proc.pid, signal.SIGCONT)
@@ -410,7 +428,7 @@ def test_nixl_read_past_its_deadline_holds_the_blocks_until_it_ends() -> None:
         assert late["landed"] and late["seconds"] >= 1.5
 
         reader.request({"op": "reset"})
-        os.kill(owner.proc.pid, signal.SIGSTOP)
+        stop_process(owner.proc.pid)
         closed = reader.request({**read_command(owner, remote, local, 0.3), "close_after_s": 0.5})
         assert not closed["ok"] and "closed" in closed["error"] and not closed["landed"]
         os.kill(owner.proc.pid, signal.SIGCONT)  # the owner now serves the READ (and aborts)
