@@ -34,3 +34,9 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pdserve"
+
+
+def huge_pages() -> bool:
+    """PDSERVE_HUGE_PAGES: 0 keeps weights and the KV cache on ordinary 4 KiB pages
+    (default 1: ask Linux for transparent huge pages; see pdserve/model/huge_pages.py)."""
+    return os.environ.get("PDSERVE_HUGE_PAGES", "1") != "0"

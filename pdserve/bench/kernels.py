@@ -10,10 +10,12 @@ the best time is the one least disturbed by other work.
   AMX) against `F.linear` (oneDNN). The routing limits in cpu_kernels.py come from this.
 - decode attention: the kernel reading the paged cache in place against gathering the
   blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
-- the copy bandwidth of this machine, for the batch-1 weight-read floor.
+- the copy bandwidth of this machine (huge-page buffers, like the weights), for the
+  weight-read floor of the decode steps below.
 - decode steps of the real model (`--steps-batches`): all layers in one call
   (`pd_decode_layers`) against the same kernels called per op from Python, alternating,
-  best of `--step-repeat` generations of 64 tokens.
+  best of `--step-repeat` generations of 64 tokens, and the one-call rate as a fraction of
+  the floor (weights + the batch's KV read once a step at the copy bandwidth).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import huge_pages
 
 BF16 = torch.bfloat16
 
@@ -56,9 +60,10 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
 
 
 def copy_bandwidth(repeat: int, nbytes: int = 1 << 30) -> float:
-    """Bytes per second moved by a large tensor copy, reads and writes both counted."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
+    """Bytes per second moved by a large tensor copy, reads and writes both counted. The
+    buffers sit on huge pages, like the weights and KV cache whose reads it bounds."""
+    src = huge_pages.zeros((nbytes // 4,), torch.float32)
+    dst = huge_pages.zeros((nbytes // 4,), torch.float32)
     return 2 * nbytes / best_of(lambda: dst.copy_(src), max(3, repeat // 3))
 
 
@@ -78,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     _linear_sweep(kernels, arch, args)
     _attention(kernels, arch, args)
     if args.steps_batches:
-        _decode_steps(args, [int(b) for b in args.steps_batches.split(",")])
+        _decode_steps(args, [int(b) for b in args.steps_batches.split(",")], bw)
     return 0
 
 
-def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
+def _decode_steps(args: argparse.Namespace, batches: list[int], bandwidth: float) -> None:
     from pdserve import LLM, SamplingParams
     from pdserve.model.ops import CpuKernelOps
 
@@ -93,8 +98,13 @@ def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
     num_tokens = 64
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     print(f"\ndecode steps, 32-token prompts + 64 tokens, best of {args.step_repeat}")
-    print(f"{'batch':>6}{'per-op tok/s':>14}{'one-call tok/s':>16}{'speed-up':>10}")
+    print(
+        f"{'batch':>6}{'per-op tok/s':>14}{'one-call tok/s':>16}{'speed-up':>10}"
+        f"{'floor tok/s':>13}{'of floor':>10}"
+    )
     ops = llm.engine.runner.ops
+    weight_bytes = _weight_bytes_per_step(llm.engine.runner.model)
+    kv_bytes_per_token = llm.engine.runner.kv_cache[0, :, :, 0].nbytes
     try:
         for batch in batches:
             prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
@@ -110,24 +120,43 @@ def _decode_steps(args: argparse.Namespace, batches: list[int]) -> None:
                     rate = batch * num_tokens / (time.perf_counter() - start)
                     best[name] = max(best.get(name, 0.0), rate)
             ratio = best["one-call"] / best["per-op"]
-            print(f"{batch:>6}{best['per-op']:>14.1f}{best['one-call']:>16.1f}{ratio:>9.2f}x")
+            # The weight-read floor: a step reads every weight once and each request's
+            # context (64 tokens on average over the run) at the copy bandwidth.
+            step_bytes = weight_bytes + batch * (32 + num_tokens // 2) * kv_bytes_per_token
+            floor = batch * bandwidth / step_bytes
+            print(
+                f"{batch:>6}{best['per-op']:>14.1f}{best['one-call']:>16.1f}{ratio:>9.2f}x"
+                f"{floor:>13.1f}{best['one-call'] / floor:>9.0%}"
+            )
     finally:
         ops.one_call = True
+
+
+def _weight_bytes_per_step(model: Any) -> int:
+    """Bytes of weights a decode step reads: every parameter but an untied embedding
+    table (of which a step reads one row per token)."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    return sum(p.nbytes for p in model.parameters() if tied or p is not model.embed_tokens.weight)
 
 
 def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
     shapes = [(qkv, h), (h, arch.num_heads * d), (2 * i, h), (h, i)]
-    layers = [
-        [torch.randn(n, k, dtype=BF16) * 0.02 for n, k in shapes] for _ in range(arch.num_layers)
-    ]
-    head = torch.randn(arch.vocab_size, h, dtype=BF16) * 0.02
+    arena = huge_pages.Arena()  # where a loaded model's weights live
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return arena.copy_of(torch.randn(n, k, dtype=BF16) * 0.02)
+
+    layers = [[weight(n, k) for n, k in shapes] for _ in range(arch.num_layers)]
+    head = weight(arch.vocab_size, h)
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
     print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}")
-    packed = [[kernels.pack_amx(w) for w in ws] for ws in layers] if kernels.amx else None
-    head_packed = kernels.pack_amx(head) if kernels.amx else None
+    packed = None
+    if kernels.amx:
+        packed = [[arena.copy_of(kernels.pack_amx(w)) for w in ws] for ws in layers]
+    head_packed = arena.copy_of(kernels.pack_amx(head)) if kernels.amx else None
     for m in (*range(1, args.max_m + 1), 16, 32, 64):
         xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
         amx = kernels.route(xs[h], head) == "amx"

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from pdserve.config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import ConfigError, ModelLoadError
+from pdserve.model import huge_pages
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import LlamaModel
 
@@ -99,6 +100,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         num_tensors = gguf_file.num_tensors
     max_len = cfg.max_model_len or arch.max_position_embeddings
     model = build_model(arch, max_len, dtype, device, weights, num_tensors, seed=cfg.seed)
+    if device.type == "cpu":
+        huge_pages.move_parameters(model)  # decode streams them every step
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s",
         path.name,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ConfigError
-from pdserve.model import cpu_kernels
+from pdserve.model import cpu_kernels, huge_pages
 from pdserve.model.attention import (
     AttentionMetadata,
     decode_attention_gathered,
@@ -256,9 +256,12 @@ def _amx_weight(kernels: cpu_kernels.CpuKernels, layer: nn.Linear) -> torch.Tens
     (twice the weight memory, only on machines and batch sizes that use AMX)."""
     packed: torch.Tensor | None = getattr(layer, "amx_weight", None)
     if packed is None:
-        packed = layer.amx_weight = kernels.pack_amx(layer.weight.detach())
+        packed = layer.amx_weight = _PACKED.copy_of(kernels.pack_amx(layer.weight.detach()))
     return packed
 
+
+_PACKED = huge_pages.Arena()
+"""AMX-packed weights, streamed every step like the weights themselves."""
 
 TORCH_OPS = TorchOps()
 

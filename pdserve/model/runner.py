@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.model import huge_pages
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -77,11 +78,11 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         a = loaded.arch
-        self.kv_cache = torch.zeros(
-            (num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim),
-            dtype=loaded.dtype,
-            device=self.device,
-        )
+        shape = (num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = huge_pages.zeros(shape, loaded.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
         self.generator = torch.Generator().manual_seed(seed)
         self._kv_scratch = torch.empty((2, 0, *self.kv_cache.shape[3:]), dtype=loaded.dtype)
         if self.device.type == "cpu":

@@ -124,12 +124,21 @@ def test_rotary_write_kv_matches_torch_ops(k: Any) -> None:
     assert torch.equal(kv_kernel.transpose(1, 2)[untouched], kv.transpose(1, 2)[untouched])
 
 
-@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (8, 8, 32), (4, 1, 128)])
-def test_decode_attention_matches_gathered_sdpa(k: Any, h: int, hkv: int, d: int) -> None:
+# Query heads per kv head 1-8 and every head size: the value pass takes up to 4 (D <= 64),
+# 2 (D = 128) or 1 (D = 256) query heads at a time, so these cover full and partial passes.
+@pytest.mark.parametrize(
+    ("h", "hkv", "d"),
+    [(9, 3, 64), (8, 8, 32), (4, 1, 128), (16, 2, 128), (10, 2, 64), (2, 1, 256)],
+)
+@pytest.mark.parametrize("bs", [4, 16, 64])
+# Six sequences: a task per sequence; one: a task per (sequence, kv head).
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 200, 61], [133]])
+def test_decode_attention_matches_gathered_sdpa(
+    k: Any, h: int, hkv: int, d: int, bs: int, seq_lens: list[int]
+) -> None:
     torch.manual_seed(h * d)
-    bs, num_blocks = 16, 40
+    num_blocks = 4 * 256 // bs
     kv = _kv_cache(num_blocks, bs, hkv, d)
-    seq_lens = [1, 15, 16, 17, 200, 61]
     rng = np.random.default_rng(0)
     tables = [rng.permutation(num_blocks)[: -(-n // bs)] for n in seq_lens]
     padded = np.zeros((len(seq_lens), max(len(t) for t in tables)), dtype=np.int64)

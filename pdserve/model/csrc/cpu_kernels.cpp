@@ -228,10 +228,21 @@ void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
 // Decode attention straight from the paged cache: one query token per sequence, keys and
 // values read in place through the block table (no gather into a scratch copy).
 // q[b] starts at q + b * q_stride with H heads of D; out is [B, H, D] contiguous.
-// Each (sequence, kv head) is one task; its G = H / Hkv query heads read the same K and V
-// rows, which stay in L2 between heads. Scores for 16 keys at a time: 16 dot-product
-// vectors, then one transpose-and-add (hsum16) instead of 16 horizontal reductions.
-// Then an exact softmax over the whole row, then V accumulated in registers.
+//
+// A task is one sequence and a range of its kv heads (all of them when there are enough
+// sequences to keep every thread busy, else one). Three passes over the sequence:
+// 1. scores of every (kv head, query head) of the task, 16 keys at a time: the 16 keys'
+//    row addresses are looked up once and used by every head; each head's 16 dot-product
+//    vectors are reduced by one transpose-and-add (hsum16), not 16 horizontal sums;
+// 2. per head, exp(score - max) and its sum (an exact softmax over the whole row);
+// 3. each value row loaded and widened to fp32 once per kv head, then accumulated into
+//    all of that head's query heads (up to 16 independent FMA chains in registers); the
+//    softmax sum is divided out at the end.
+// A sequence's blocks are scattered over the cache, so the hardware prefetchers cannot
+// follow them: the first pass over K and over V prefetch the task's rows kPrefetch tokens
+// ahead. The old per-head loop (two passes per query head, an address lookup per key per
+// head, 4 FMA chains) ran at ~7.6 GB/s of KV on the mixed benchmark's shapes; this one
+// (see docs/benchmarks.md) is bounded by memory instead.
 
 }  // extern "C"
 
@@ -254,64 +265,147 @@ inline __m512 hsum16(const __m512* x) {
                        _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
-struct PagedKV {
-  const bf16* base;  // this kv head's K plane; V is at + s_kv
+constexpr int64_t kPrefetch = 32;  // tokens ahead (16-64 measured alike; 0 is ~25% slower)
+
+// One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
+// + s_kv. Block sizes are powers of two: shifts, not 40-cycle divisions.
+struct PagedSeq {
+  const bf16* kv;
   int64_t s_block, s_kv, s_tok;
-  int block_shift;  // block sizes are powers of two: shifts, not 40-cycle divisions
+  int block_shift;
   const int64_t* table;
-  inline const bf16* key(int64_t t) const {
-    return base + table[t >> block_shift] * s_block + (t & ((1 << block_shift) - 1)) * s_tok;
+  inline const bf16* row(int64_t t) const {
+    return kv + table[t >> block_shift] * s_block + (t & ((int64_t{1} << block_shift) - 1)) * s_tok;
   }
 };
 
-inline void softmax_row(float* s, int64_t L) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
-  const __m512 vmax = _mm512_set1_ps(mx);
+// The task's heads [hk0, hk0 + nhk) of one row: bytes = nhk * D * 2.
+inline void prefetch_heads(const bf16* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
+
+// Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows to a
+// multiple of 16; the padding holds scores of a repeated last key, never read).
+template <int D>
+void score_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
+                int64_t G, float scale, float* s, int64_t ls) {
+  constexpr int kChunks = D / 32;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const bf16* key[16];
+    for (int i = 0; i < 16; i++) {
+      const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order hsum16 expects
+      key[i] = seq.row(t < L ? t : L - 1) + hk0 * D;
+    }
+    for (int64_t t = t0 + kPrefetch; t < t0 + kPrefetch + 16 && t < L; t++)
+      prefetch_heads(seq.row(t) + hk0 * D, nhk * D * 2);
+    for (int64_t h = 0; h < nhk; h++) {
+      for (int64_t g = 0; g < G; g++) {
+        const bf16* qh = q + ((hk0 + h) * G + g) * D;
+        __m512bh qv[kChunks];
+        for (int c = 0; c < kChunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+        __m512 part[16];
+        for (int i = 0; i < 16; i++) {
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < kChunks; c++)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key[i] + h * D + 32 * c),
+                                 qv[c]);
+          part[i] = a;
+        }
+        _mm512_storeu_ps(s + (h * G + g) * ls + t0, _mm512_mul_ps(hsum16(part), vscale));
+      }
+    }
+  }
+}
+
+// Pass 2: s[t] = exp(s[t] - max) for t < L; returns 1 / their sum.
+inline float exp_row(float* s, int64_t L) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(s + t));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
-    __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax)));
+    __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
     _mm512_mask_storeu_ps(s + t, m, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-  for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
-    _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+  return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+// Pass 3 for NG query heads of kv head hk: out_g = inv_g * sum_t p_g[t] v_t. A 64-byte
+// load of 32 bf16 values widens to fp32 in two ALU ops without shuffles: the even elements
+// shifted up 16 bits, the odd ones with the low 16 bits masked off (accumulated apart,
+// interleaved back once at the end).
+template <int D, int NG>
+void accumulate_values(const float* p, int64_t ls, const float* inv, const PagedSeq& seq,
+                       int64_t L, int64_t hk, bf16* out, int64_t prefetch_bytes,
+                       int64_t hk0) {
+  constexpr int kPairs = D / 32;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 even[NG][kPairs], odd[NG][kPairs];
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < kPairs; c++) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t++) {
+    if (prefetch_bytes && t + kPrefetch < L)
+      prefetch_heads(seq.row(t + kPrefetch) + seq.s_kv + hk0 * D, prefetch_bytes);
+    const bf16* v = seq.row(t) + seq.s_kv + hk * D;
+    __m512 ve[kPairs], vo[kPairs];
+    for (int c = 0; c < kPairs; c++) {
+      const __m512i raw = _mm512_loadu_si512(v + 32 * c);
+      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int g = 0; g < NG; g++) {
+      const __m512 pg = _mm512_set1_ps(p[g * ls + t]);
+      for (int c = 0; c < kPairs; c++) {
+        even[g][c] = _mm512_fmadd_ps(pg, ve[c], even[g][c]);
+        odd[g][c] = _mm512_fmadd_ps(pg, vo[c], odd[g][c]);
+      }
+    }
+  }
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int g = 0; g < NG; g++) {
+    const __m512 sc = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < kPairs; c++) {
+      const __m512 e = _mm512_mul_ps(even[g][c], sc), o = _mm512_mul_ps(odd[g][c], sc);
+      store16(out + g * D + 32 * c, _mm512_permutex2var_ps(e, lo, o));
+      store16(out + g * D + 32 * c + 16, _mm512_permutex2var_ps(e, hi, o));
+    }
   }
 }
 
 template <int D>
-void attend_one_head(const bf16* qh, const PagedKV& kv, int64_t L, float scale, float* s,
-                     bf16* oh) {
-  constexpr int kChunks = D / 32, kVecs = D / 16;
-  __m512bh qv[kChunks];
-  for (int c = 0; c < kChunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    __m512 part[16];
-    for (int i = 0; i < 16; i++) {
-      const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order hsum16 expects
-      __m512 a = _mm512_setzero_ps();
-      if (t < L) {
-        const bf16* k = kv.key(t);
-        for (int c = 0; c < kChunks; c++)
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
+                 int64_t G, float scale, std::vector<float>& scratch, bf16* out) {
+  const int64_t ls = (L + 15) / 16 * 16;
+  const int64_t rows = nhk * G;
+  if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
+  float* s = scratch.data();
+  float* inv = s + rows * ls;
+  score_task<D>(q, seq, L, hk0, nhk, G, scale, s, ls);
+  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L);
+  constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
+  for (int64_t h = 0; h < nhk; h++) {
+    const int64_t hk = hk0 + h;
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+      const int64_t n = G - g0 < kMaxHeads ? G - g0 : kMaxHeads;
+      const int64_t r = h * G + g0;
+      const int64_t pf = h == 0 && g0 == 0 ? nhk * D * 2 : 0;  // first pass prefetches
+      bf16* o = out + (hk * G + g0) * D;
+      switch (n) {
+        case 1: accumulate_values<D, 1>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
+        case 2: accumulate_values<D, 2>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
+        case 3: accumulate_values<D, 3>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
+        default: accumulate_values<D, kMaxHeads>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0);
       }
-      part[i] = a;
     }
-    _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(part), vscale));  // s has room to 16
   }
-  softmax_row(s, L);
-  __m512 acc[kVecs];
-  for (int j = 0; j < kVecs; j++) acc[j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; t++) {
-    const bf16* v = kv.key(t) + kv.s_kv;
-    const __m512 p = _mm512_set1_ps(s[t]);
-    for (int j = 0; j < kVecs; j++) acc[j] = _mm512_fmadd_ps(p, load16(v + 16 * j), acc[j]);
-  }
-  for (int j = 0; j < kVecs; j++) store16(oh + 16 * j, acc[j]);
 }
 
 template <int D>
@@ -320,28 +414,21 @@ void decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s
                       int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
                       int64_t H, int64_t Hkv, int64_t block_size, float scale) {
   const int64_t G = H / Hkv;
-  // A task is one sequence with all its kv heads when there are enough sequences to keep
-  // every thread busy: a block's rows hold all heads, so the sequence's KV then streams
-  // from memory once. With few sequences (batch 1), a task is one (sequence, kv head).
+  // All of a sequence's kv heads in one task when there are enough sequences to keep every
+  // thread busy: a row holds all heads, so the sequence's KV then streams from memory once
+  // and in order. With few sequences (batch 1), a task is one (sequence, kv head).
   const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
   const int64_t tasks_per_seq = Hkv / heads_per_task;
+  const int shift = __builtin_ctzll(block_size);
 #pragma omp parallel
   {
-    std::vector<float> scores;
+    std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * tasks_per_seq; task++) {
-      const int64_t b = task / tasks_per_seq, L = seq_lens[b];
-      if (static_cast<int64_t>(scores.size()) < L + 16) scores.resize(L + 16);
-      for (int64_t i = 0; i < heads_per_task; i++) {
-        const int64_t hk = (task % tasks_per_seq) * heads_per_task + i;
-        const PagedKV paged{kv + hk * D, s_block, s_kv, s_tok, __builtin_ctzll(block_size),
-                            block_tables + b * max_blocks};
-        for (int64_t g = 0; g < G; g++) {
-          const int64_t h = hk * G + g;
-          attend_one_head<D>(q + b * q_stride + h * D, paged, L, scale, scores.data(),
-                             out + (b * H + h) * D);
-        }
-      }
+      const int64_t b = task / tasks_per_seq;
+      const PagedSeq seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
+      attend_task<D>(q + b * q_stride, seq, seq_lens[b], (task % tasks_per_seq) * heads_per_task,
+                     heads_per_task, G, scale, scratch, out + b * H * D);
     }
   }
 }
