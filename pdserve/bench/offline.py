@@ -97,6 +97,11 @@ def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "
         max_num_seqs=args.max_num_seqs,
         kernels=kernels,
         kv_cache_memory_bytes=kv_cache_bytes(args, planned),
+        # Off for pdserve and vLLM (run_vllm.py) alike: every --repeat sends the same
+        # prompts again, and blocks cached by the previous repeat would skip most of the
+        # prefill (a second mixed run took 75 s instead of 104). The random prompts of
+        # one run share no prefix, so only the repeats change.
+        enable_prefix_caching=False,
     )
 
     def run(workload: Workload) -> None:

@@ -239,10 +239,10 @@ void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
 //    all of that head's query heads (up to 16 independent FMA chains in registers); the
 //    softmax sum is divided out at the end.
 // A sequence's blocks are scattered over the cache, so the hardware prefetchers cannot
-// follow them: the first pass over K and over V prefetch the task's rows kPrefetch tokens
+// follow them: the first pass over K and over V prefetch the task's rows kPrefetchTokens
 // ahead. The old per-head loop (two passes per query head, an address lookup per key per
-// head, 4 FMA chains) ran at ~7.6 GB/s of KV on the mixed benchmark's shapes; this one
-// (see docs/benchmarks.md) is bounded by memory instead.
+// head, 4 FMA chains) read the mixed benchmark's KV at ~7.6 GB/s; this one at 13-17 GB/s
+// from memory, 22 GB/s from cache (docs/benchmarks.md). Scoring is now the larger half.
 
 }  // extern "C"
 
@@ -265,7 +265,7 @@ inline __m512 hsum16(const __m512* x) {
                        _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
-constexpr int64_t kPrefetch = 32;  // tokens ahead (16-64 measured alike; 0 is ~25% slower)
+constexpr int64_t kPrefetchTokens = 32;  // 16 to 128 measured alike, within noise
 
 // One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
 // + s_kv. Block sizes are powers of two: shifts, not 40-cycle divisions.
@@ -298,7 +298,7 @@ void score_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int6
       const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order hsum16 expects
       key[i] = seq.row(t < L ? t : L - 1) + hk0 * D;
     }
-    for (int64_t t = t0 + kPrefetch; t < t0 + kPrefetch + 16 && t < L; t++)
+    for (int64_t t = t0 + kPrefetchTokens; t < t0 + kPrefetchTokens + 16 && t < L; t++)
       prefetch_heads(seq.row(t) + hk0 * D, nhk * D * 2);
     for (int64_t h = 0; h < nhk; h++) {
       for (int64_t g = 0; g < G; g++) {
@@ -351,8 +351,8 @@ void accumulate_values(const float* p, int64_t ls, const float* inv, const Paged
   for (int g = 0; g < NG; g++)
     for (int c = 0; c < kPairs; c++) even[g][c] = odd[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t++) {
-    if (prefetch_bytes && t + kPrefetch < L)
-      prefetch_heads(seq.row(t + kPrefetch) + seq.s_kv + hk0 * D, prefetch_bytes);
+    if (prefetch_bytes && t + kPrefetchTokens < L)
+      prefetch_heads(seq.row(t + kPrefetchTokens) + seq.s_kv + hk0 * D, prefetch_bytes);
     const bf16* v = seq.row(t) + seq.s_kv + hk * D;
     __m512 ve[kPairs], vo[kPairs];
     for (int c = 0; c < kPairs; c++) {
