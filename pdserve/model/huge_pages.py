@@ -76,7 +76,7 @@ class Arena:
         chunk = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if not _advise(chunk) and self.advised:
             self.advised = False
-            logger.info("huge pages not available here; CPU tensors use ordinary pages")
+            logger.info("CPU tensors on ordinary pages (huge pages off or unavailable)")
         raw = torch.frombuffer(chunk, dtype=torch.uint8)
         offset = (-raw.data_ptr()) % HUGE_PAGE
         return raw[offset : offset + size - HUGE_PAGE]
