@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import signal
 import subprocess
 
 from pdserve.bench.serve import (
@@ -34,7 +33,7 @@ from pdserve.bench.serve import (
     wall_duration_s,
 )
 from pdserve.errors import ConfigError
-from pdserve.proxy.launch import Node, free_port, launch, wait_healthy
+from pdserve.proxy.launch import Node, free_port, launch, stop, wait_healthy
 
 SYSTEMS = ("pdserve", "vllm")
 MODEL_NAME = "bench-model"
@@ -78,16 +77,6 @@ def start_vllm(args: argparse.Namespace) -> Node:
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     node = Node(f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env))
     return wait_healthy(node, timeout_s=600)
-
-
-def stop(node: Node) -> None:
-    if node.process.poll() is None:
-        node.process.send_signal(signal.SIGINT)
-        try:
-            node.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            node.process.kill()
-            node.process.wait()
 
 
 def measure(system: str, args: argparse.Namespace, config: ServeBenchConfig) -> BenchSummary:

@@ -31,6 +31,10 @@ ALIGN = 64
 """Byte alignment of each tensor inside a chunk (a cache line; what the kernels load)."""
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def _advise(chunk: mmap.mmap) -> bool:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or not envs.huge_pages():
@@ -61,7 +65,7 @@ class Arena:
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             self._chunk, self._used = self._map(max(nbytes, self.chunk_bytes)), 0
         start = self._used
-        self._used = -(-(start + nbytes) // ALIGN) * ALIGN
+        self._used = _round_up(start + nbytes, ALIGN)
         return self._chunk[start : start + nbytes].view(dtype).view(shape)
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ class Arena:
     def _map(self, nbytes: int) -> torch.Tensor:
         """A fresh mapping of at least nbytes starting on a huge-page boundary (a huge
         page backs only an aligned 2 MiB range, so the mapping is over-sized by one)."""
-        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+        size = _round_up(nbytes, HUGE_PAGE) + HUGE_PAGE
         chunk = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if not _advise(chunk) and self.advised:
             self.advised = False
@@ -95,10 +99,9 @@ def move_parameters(module: nn.Module) -> None:
     """Copy every CPU parameter of `module` into one huge-page arena, in place (tied
     parameters stay tied: each Parameter object moves once)."""
     params = [p for p in module.parameters() if p.device.type == "cpu"]
-    total = sum(-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params)
     if not params:
         return
-    arena = Arena(chunk_bytes=total)
+    arena = Arena(chunk_bytes=sum(_round_up(p.nbytes, ALIGN) for p in params))
     with torch.no_grad():
         for p in params:
             p.data = arena.copy_of(p.data)

@@ -459,11 +459,12 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
 }
 
 // ---------------------------------------------------------------------------------------
-// Every decoder layer of a decode-only step (up to AMX_MAX_M rows), in one call. The per-op path
-// makes ~9 calls a layer from Python (~270 a step for a 30-layer model), each costing
-// ~15 microseconds of interpreter, ctypes and allocation time: at batch 1 on the default
-// model that was a fifth of the step (19.1 -> 14.9 ms a step). This runs the same kernels in the same order on the same values, so
-// its output is bit-identical to the per-op path; it only removes the round trips.
+// Every decoder layer of a decode-only step (up to AMX_MAX_M rows), in one call. The
+// per-op path makes ~9 calls a layer from Python (~270 a step for a 30-layer model), each
+// costing ~15 microseconds of interpreter, ctypes and allocation time: at batch 1 on the
+// default model that was a fifth of the step (19.1 -> 14.9 ms a step). This runs the same
+// kernels in the same order on the same values, so its output is bit-identical to the
+// per-op path; it only removes the round trips.
 //
 // Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); rotary + KV write;
 // attn = decode attention; o = attn Wo^T; h = add_rms_norm(x, o); act = silu_mul(h Wgu^T);
