@@ -6,7 +6,7 @@ the best time is the one least disturbed by other work.
 
 - linear: every layer's four weights plus the LM head, as one decode step reads them
   (distinct weights per layer, so the step streams them from memory as a real one does),
-  for 1..`--max-m` rows and 16/32/64: the kernel `CpuKernels.route` picks (small-M or
+  for 1..`--max-m` rows and 16 to 512 (prefill-sized): the kernel `CpuKernels.route` picks (small-M or
   AMX) against `F.linear` (oneDNN). The routing limits in cpu_kernels.py come from this.
 - decode attention: the kernel reading the paged cache in place against gathering the
   blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
@@ -152,12 +152,13 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     head = weight(arch.vocab_size, h)
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
-    print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}")
+    print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
+          f"{'kernel GFLOP/s':>16}")
     packed = None
     if kernels.amx:
         packed = [[arena.copy_of(kernels.pack_amx(w)) for w in ws] for ws in layers]
     head_packed = arena.copy_of(kernels.pack_amx(head)) if kernels.amx else None
-    for m in (*range(1, args.max_m + 1), 16, 32, 64):
+    for m in (*range(1, args.max_m + 1), 16, 32, 64, 128, 256, 512):
         xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
         amx = kernels.route(xs[h], head) == "amx"
 
@@ -176,7 +177,7 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
 
         base = best_of(lambda: step(F.linear), args.repeat)
         ours = best_of(step_amx if amx else lambda: step(kernels.linear), args.repeat)
-        speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}"
+        speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}{m * nbytes / ours / 1e9:>16.0f}"
         print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {'AMX' if amx else 'small-M'}")
 
 

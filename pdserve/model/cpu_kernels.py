@@ -90,9 +90,6 @@ _SIGNATURES["pd_decode_layers"] = [
     _P,
     _I,
 ]
-AMX_MAX_M = 64
-"""Most rows the AMX linear takes in one pass over the weights (four 16-row tiles);
-above it (prefill chunks) oneDNN's GEMM is compute-bound and fast."""
 AMX_SMALL_M = 2
 """With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 
@@ -178,14 +175,15 @@ class CpuKernels:
 
     def route(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
         """Which kernel computes x @ weight^T: "small" (weight-streaming, few rows), "amx"
-        (up to AMX_MAX_M rows, weight packed by `pack_amx`), or None (oneDNN)."""
+        (more rows, weight packed by `pack_amx`), or None (oneDNN: no AMX, or a shape
+        neither kernel takes)."""
         m, (n, k) = x.shape[0], weight.shape
         if k % 32:
             return None
         amx = self.amx and n % 16 == 0
         if m <= (AMX_SMALL_M if amx else SMALL_M):
             return "small"
-        return "amx" if amx and m <= AMX_MAX_M else None
+        return "amx" if amx else None
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -209,7 +207,7 @@ class CpuKernels:
     def linear_amx(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [M, K] (M <= AMX_MAX_M) times the weight `pack_amx` packed (+ bias)."""
+        """x [M, K] times the weight `pack_amx` packed (+ bias)."""
         m, k = x.shape
         n = packed.numel() // k
         y = torch.empty((m, n), dtype=x.dtype)
@@ -296,7 +294,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Every layer of a decode-only step in one call: x [T, hidden] is the residual
         stream, updated in place; returns the last layer's delta. `layers` holds AMX-packed
-        weights for T > `small_m` (up to AMX_MAX_M), none for T <= `small_m`. `shape` is
+        weights for T > `small_m`, none for T <= `small_m`. `shape` is
         (heads, kv heads, head size, intermediate size)."""
         t, hidden = x.shape
         h, hkv, d, inter = shape
