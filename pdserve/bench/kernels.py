@@ -6,8 +6,9 @@ the best time is the one least disturbed by other work.
 
 - linear: every layer's four weights plus the LM head, as one decode step reads them
   (distinct weights per layer, so the step streams them from memory as a real one does),
-  for 1..`--max-m` rows and 16 to 512 (prefill-sized): the kernel `CpuKernels.route` picks (small-M or
-  AMX) against `F.linear` (oneDNN). The routing limits in cpu_kernels.py come from this.
+  for 1..`--max-m` rows and 16 to 512 (prefill-sized): the kernel `CpuKernels.route`
+  picks (small-M or AMX) against `F.linear` (oneDNN). The routing in cpu_kernels.py
+  comes from this.
 - decode attention: the kernel reading the paged cache in place against gathering the
   blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
 - the copy bandwidth of this machine (huge-page buffers, like the weights), for the
