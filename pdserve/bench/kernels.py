@@ -153,8 +153,10 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     head = weight(arch.vocab_size, h)
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
-    print(f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
-          f"{'kernel GFLOP/s':>16}")
+    print(
+        f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
+        f"{'kernel GFLOP/s':>16}"
+    )
     packed = None
     if kernels.amx:
         packed = [[arena.copy_of(kernels.pack_amx(w)) for w in ws] for ws in layers]
