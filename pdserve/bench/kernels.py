@@ -10,7 +10,8 @@ the best time is the one least disturbed by other work.
   picks (small-M or AMX) against `F.linear` (oneDNN). The routing in cpu_kernels.py
   comes from this.
 - decode attention: the kernel reading the paged cache in place against gathering the
-  blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths.
+  blocks and calling SDPA (attention.py's path), for a few batch sizes and lengths; and
+  with AMX, prefill attention: the flash kernel against SDPA for a few chunk lengths.
 - the copy bandwidth of this machine (huge-page buffers, like the weights), for the
   weight-read floor of the decode steps below.
 - decode steps of the real model (`--steps-batches`): all layers in one call
@@ -218,3 +219,48 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
         base = best_of(lambda: decode_attention_gathered(q, kv, meta, d**-0.5, out), args.repeat)  # noqa: B023
         ours = best_of(lambda: kernels.decode_attention(q, kv, tables, lens, d**-0.5), args.repeat)  # noqa: B023
         print(f"{batch:>6}{length:>8}{base * 1e3:>16.2f}{ours * 1e3:>11.2f}{base / ours:>9.2f}x")
+    if kernels.amx:
+        _prefill_attention(kernels, arch, args)
+
+
+def _prefill_attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
+    """One prefill chunk's causal attention: SDPA (attention.py's path: causal over the
+    chunk's own K/V, or over the gathered context with a mask) against the AMX kernel
+    reading the paged cache."""
+    from pdserve.model.attention import (
+        AttentionMetadata,
+        PrefillChunk,
+        causal_mask_with_context,
+        prefill_attention,
+    )
+
+    bs, hkv, d, h = 16, arch.num_kv_heads, arch.head_dim, arch.num_heads
+    print(f"\nprefill attention, one layer, one chunk, best of {args.repeat}")
+    print(f"{'context':>8}{'chunk':>7}{'SDPA ms':>9}{'kernel ms':>11}{'speed-up':>10}"
+          f"{'kernel GFLOP/s':>16}")  # fmt: skip
+    rng = np.random.default_rng(0)
+    for ctx, n in ((0, 128), (0, 512), (0, 1024), (1024, 1024)):
+        num_blocks = -(-(ctx + n) // bs)
+        kv = torch.randn(num_blocks, 2, bs, hkv, d, dtype=BF16)
+        table = torch.from_numpy(rng.permutation(num_blocks))
+        q, k, v = (torch.randn(n, heads, d, dtype=BF16) for heads in (h, hkv, hkv))
+        mask = causal_mask_with_context(n, ctx, q.device) if ctx else None
+        meta = AttentionMetadata(
+            num_decode_tokens=0,
+            slot_block_ids=torch.empty(0, dtype=torch.long),
+            slot_offsets=torch.empty(0, dtype=torch.long),
+            decode_groups=(),
+            decode_block_tables=None,
+            decode_seq_lens=None,
+            decode_kv_buffer=None,
+            prefills=(PrefillChunk(0, n, ctx, table, mask),),
+        )
+        out = torch.empty_like(q)
+        base = best_of(lambda: prefill_attention(q, k, v, kv, meta, d**-0.5, out), args.repeat)  # noqa: B023
+        ours = best_of(
+            lambda: kernels.prefill_attention(q, kv, table, ctx, d**-0.5, out),  # noqa: B023
+            args.repeat,
+        )
+        flops = 4 * h * d * n * (ctx + (n + 1) / 2)  # QK^T and PV over the visible keys
+        print(f"{ctx:>8}{n:>7}{base * 1e3:>9.2f}{ours * 1e3:>11.2f}{base / ours:>9.2f}x"
+              f"{flops / ours / 1e9:>16.0f}")  # fmt: skip

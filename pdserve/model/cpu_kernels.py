@@ -50,10 +50,17 @@ _SIGNATURES = {
     "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P],
     "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
     "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
+    "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F],
     "pd_amx_init": [],
     "pd_amx_available": [],
 }
-_RETURNS_INT = ("pd_decode_attention", "pd_amx_init", "pd_amx_available", "pd_decode_layers")
+_RETURNS_INT = (
+    "pd_decode_attention",
+    "pd_prefill_attention",
+    "pd_amx_init",
+    "pd_amx_available",
+    "pd_decode_layers",
+)
 
 
 class PdLayer(ctypes.Structure):
@@ -274,6 +281,31 @@ class CpuKernels:
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")
         return out
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_table: torch.Tensor,
+        num_context: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One prefill chunk's causal attention on AMX (`amx` must be true): q [n, H, D]
+        (rows may be strided) at positions num_context.., over keys 0..num_context+n-1,
+        all in the paged cache (block_table [blocks] int64); writes out [n, H, D]
+        (contiguous). Head sizes 64, 128 and 256."""
+        n, h, d = q.shape
+        if q.stride(1) != d or q.stride(2) != 1 or not out.is_contiguous():
+            raise ValueError("prefill attention needs dense heads in q and a contiguous out")
+        s_block, s_kv, s_tok = kv_layer.stride()[:3]
+        status = self._lib.pd_prefill_attention(
+            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), s_block, s_kv, s_tok,
+            block_table.data_ptr(), kv_layer.shape[2], n, num_context, out.data_ptr(), h,
+            kv_layer.shape[3], d, scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"no prefill-attention kernel for head size {d}")
 
     def decode_layers(
         self,

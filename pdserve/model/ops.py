@@ -112,8 +112,7 @@ class TorchOps:
     ) -> torch.Tensor:
         """qkv [T, H + 2Hkv, D] -> attention output [T, H, D]; stores the step's K/V.
 
-        Backends differ in `rotary_write_kv` and `decode_attention`; prefill chunks always
-        go through SDPA (`prefill_attention`)."""
+        Backends differ in `rotary_write_kv`, `decode_attention` and `prefill_attention`."""
         q, k, v = self.rotary_write_kv(qkv, num_heads, num_kv_heads, rope, kv_layer, meta)
         if not meta.prefills:
             return self.decode_attention(q, kv_layer, meta, scale)
@@ -121,8 +120,21 @@ class TorchOps:
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self.decode_attention(q[:nd], kv_layer, meta, scale)
-        prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        self.prefill_attention(q, k, v, kv_layer, meta, scale, out)
         return out
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prefill chunk's rows of `out` (SDPA; see attention.py)."""
+        prefill_attention(q, k, v, kv_layer, meta, scale, out)
 
 
 def paged_decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +238,27 @@ class CpuKernelOps(TorchOps):
     ) -> torch.Tensor:
         tables, seq_lens = paged_decode_inputs(meta)
         return self.k.decode_attention(q, kv_layer, tables, seq_lens, scale)
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """On AMX, every chunk reads its keys from the cache (the step's K/V are already
+        there) in the flash kernel; otherwise SDPA."""
+        if not self.k.amx or q.shape[-1] not in (64, 128, 256):
+            return super().prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        for chunk in meta.prefills:
+            s, n = chunk.token_start, chunk.num_tokens
+            self.k.prefill_attention(
+                q[s : s + n], kv_layer, chunk.block_table, chunk.num_context_tokens, scale,
+                out[s : s + n],
+            )  # fmt: skip
 
 
 def _layer_table(

@@ -16,7 +16,12 @@ import torch.nn.functional as F
 
 from pdserve.errors import ConfigError
 from pdserve.model import cpu_kernels
-from pdserve.model.attention import AttentionMetadata, DecodeGroup, decode_attention_gathered
+from pdserve.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    causal_mask_with_context,
+    decode_attention_gathered,
+)
 from pdserve.model.ops import CpuKernelOps, TorchOps, select_ops
 
 BF16 = torch.bfloat16
@@ -162,6 +167,32 @@ def test_decode_attention_matches_gathered_sdpa(
     expected = torch.empty(len(seq_lens), h, d)
     decode_attention_gathered(q.float(), kv.float(), meta, d**-0.5, expected)
     out = k.decode_attention(q, kv, block_tables, torch.tensor(seq_lens), d**-0.5)
+    bf16_close(out, expected, ulps=3)
+
+
+# (context, chunk) tokens: no context (a whole prompt), short and long chunks, lengths off
+# the 16-query and 64-key blocks, and a chunk after a long context (chunked prefill).
+@pytest.mark.parametrize(("ctx", "n"), [(0, 1), (0, 37), (0, 130), (50, 17), (3, 200), (190, 64)])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 1, 256)])
+def test_prefill_attention_matches_causal_sdpa(
+    k: Any, ctx: int, n: int, h: int, hkv: int, d: int
+) -> None:
+    if not k.amx:
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(ctx + n + d)
+    bs, total = 16, ctx + n
+    kv = _kv_cache(32, bs, hkv, d)
+    table = torch.from_numpy(np.random.default_rng(n).permutation(32)[: -(-total // bs)])
+    q = torch.randn(n, h + 2 * hkv, d, dtype=BF16)[:, :h]  # strided rows, as in qkv
+    out = torch.full((n, h, d), float("nan"), dtype=BF16)
+    k.prefill_attention(q, kv, table, ctx, d**-0.5, out)
+
+    keys, values = (kv[table, i].reshape(-1, hkv, d)[:total].float() for i in (0, 1))
+    mask = causal_mask_with_context(n, ctx, torch.device("cpu"))
+    expected = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=mask, scale=d**-0.5, enable_gqa=True,
+    ).transpose(0, 1)  # fmt: skip
     bf16_close(out, expected, ulps=3)
 
 
