@@ -8,9 +8,9 @@
   `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
   one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
   and linears for decode-sized batches that read each weight once per step: a
-  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights above that
-  (oneDNN repacks per call and reads weights at half the speed; at prefill sizes the two
-  are even). Without AMX, linears of more rows and prefill attention stay on PyTorch.
+  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights up to 256
+  (oneDNN repacks per call and reads weights at half the speed); prefill attention on
+  AMX too. Prefill-sized GEMMs stay on oneDNN, and without AMX so does prefill attention.
 
 The residual stream is carried as (x, delta): each layer's two norms first add the
 pending delta into x in place, which is what lets the kernel fuse add and norm.
@@ -169,12 +169,13 @@ class CpuKernelOps(TorchOps):
     ) -> torch.Tensor | None:  # fmt: skip
         """A decode-only step runs all layers in one kernel call (`pd_decode_layers`: the
         same kernels on the same values as the per-op path, so bit-identical) when its rows
-        fit the small-M linear, or any rows where the CPU has AMX; anything else (a prefill
-        chunk in the step, more rows without AMX) runs per op."""
+        fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
+        prefill chunk in the step, more rows) runs per op."""
         t = x.shape[0]
         amx = t > self.k.small_m
         table = None
-        if self.one_call and not meta.prefills and (self.k.amx or t <= self.k.small_m):
+        max_rows = cpu_kernels.AMX_MAX_M if self.k.amx else self.k.small_m
+        if self.one_call and not meta.prefills and t <= max_rows:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)

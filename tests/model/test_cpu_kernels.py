@@ -70,10 +70,12 @@ def test_linear_routes_by_rows(k: Any) -> None:
     layer = torch.nn.Linear(64, 32, bias=False).to(BF16)
     small = cpu_kernels.AMX_SMALL_M if k.amx else cpu_kernels.SMALL_M
     assert k.route(torch.empty(small, 64), layer.weight) == "small"
-    assert k.route(torch.empty(small + 1, 64), layer.weight) == ("amx" if k.amx else None)
-    assert k.route(torch.empty(2048, 64), layer.weight) == ("amx" if k.amx else None)
+    amx = "amx" if k.amx else None
+    assert k.route(torch.empty(small + 1, 64), layer.weight) == amx
+    assert k.route(torch.empty(cpu_kernels.AMX_MAX_M, 64), layer.weight) == amx
+    assert k.route(torch.empty(cpu_kernels.AMX_MAX_M + 1, 64), layer.weight) is None
     assert k.route(torch.empty(1, 48), torch.empty(8, 48)) is None  # K % 32 != 0
-    for rows in (1, small + 3, 67):  # every route, same numbers
+    for rows in (1, small + 3, 67, cpu_kernels.AMX_MAX_M + 3):  # every route, same numbers
         x = torch.randn(rows, 64, dtype=BF16)
         bf16_close(ops.linear(x, layer), F.linear(x.float(), layer.weight.float()))
 

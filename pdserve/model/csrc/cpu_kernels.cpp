@@ -530,20 +530,21 @@ int pd_decode_layers(const PdLayer* layers, int64_t num_layers, bf16* x, bf16* d
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------
-// AMX linear for 3 rows and up: y[M, N] = x[M, K] W^T (+ bias), W pre-packed into 16x32
-// VNNI tiles (pd_amx_pack layout, done once per weight in Python): for n-tile j and k-block
-// kb, tile[j][kb][r][2c + e] = W[16 j + c][32 kb + 2 r + e].
+// AMX linear: y[M, N] = x[M, K] W^T (+ bias), W pre-packed into 16x32 VNNI tiles
+// (pd_amx_pack layout, done once per weight in Python): for n-tile j and k-block kb,
+// tile[j][kb][r][2c + e] = W[16 j + c][32 kb + 2 r + e].
 //
 // x is cut into 16-row slices (a short last one is copied into a zero-padded slice, so
-// every tile has 16 rows and one tile configuration serves all shapes). For each n-tile,
-// the threads take turns over n-tiles and multiply each weight tile against four slices at
-// once (four accumulators). Up to kChunkRows rows that is one pass over the weights: a
-// batch of decodes costs about what batch 1 does, where oneDNN repacks the weights on
-// every call at these shapes and reads them at ~8 GB/s. Longer x is taken kChunkRows at a
-// time, so the chunk stays in L2 while the n-tiles stream past it; the weights are read
-// once per chunk. Against oneDNN on the default model's layer shapes (2 cores): ~1.5x
-// faster at 96-128 rows, ~1.25x at 256, even at 2048 (~900 GFLOP/s each); the tile loads,
-// not the multiplies, bound it (~1.3-1.6 TFLOP/s a core even from L1 here).
+// every tile has 16 rows and one tile configuration serves all shapes). The threads split
+// the n-tiles, two at a time, and multiply each weight tile against four slices at once
+// (four accumulators). Up to kChunkRows rows that is one pass over the weights: a batch of
+// decodes costs about what batch 1 does, where oneDNN repacks the weights on every call at
+// these shapes and reads them at ~8 GB/s. Longer x is taken kChunkRows at a time (the
+// chunk stays in L2 while the weights stream past). Against oneDNN on the default model's
+// layer shapes (2 cores, quiet machine): 1.7x at 64 rows, 2.1x at 128, 1.1x at 256, but
+// 0.9x at 512 and 0.6x at 2048, where oneDNN reaches ~2.3 TFLOP/s and this ~1.5: its x
+// tiles come strided from L2 (~3x slower than from L1). So the Python side sends up to
+// AMX_MAX_M rows here and prefill-sized GEMMs to oneDNN.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
@@ -614,27 +615,44 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 #pragma omp parallel
   {
     configure_tiles();
-    alignas(64) float c[4 * 256];
+    alignas(64) float c[2 * 4 * 256];
     for (int64_t s0 = 0; s0 < num_slices; s0 += chunk_slices) {
       const int64_t s1 = s0 + chunk_slices < num_slices ? s0 + chunk_slices : num_slices;
+      // Two n-tiles a task where N allows: each row of y then gets whole 64-byte lines
+      // (16 columns alone are half a line, and a store to a line not yet in cache reads it
+      // first: that cost ~30% at prefill sizes).
 #pragma omp for schedule(static)
-      for (int64_t j = 0; j < N / 16; j++) {
-        const bf16* wt = packed + j * 16 * K;
-        const __m512 b = bias ? load16(bias + 16 * j) : _mm512_setzero_ps();
+      for (int64_t jp = 0; jp < (N / 16 + 1) / 2; jp++) {
+        const int64_t j = 2 * jp, tiles = N / 16 - j < 2 ? 1 : 2;
+        __m512 b[2];
+        for (int64_t t = 0; t < 2; t++)
+          b[t] = bias && t < tiles ? load16(bias + 16 * (j + t)) : _mm512_setzero_ps();
         for (int64_t s = s0; s < s1; s += 4) {
           const int64_t ns = s1 - s < 4 ? s1 - s : 4;
           const bf16* slices[4];
           for (int64_t q = 0; q < ns; q++)
             slices[q] = 16 * (s + q) < full ? x + 16 * (s + q) * K : tail.data();
-          switch (ns) {
-            case 1: amx_ntile<1>(slices, wt, K, c); break;
-            case 2: amx_ntile<2>(slices, wt, K, c); break;
-            case 3: amx_ntile<3>(slices, wt, K, c); break;
-            default: amx_ntile<4>(slices, wt, K, c); break;
+          for (int64_t t = 0; t < tiles; t++) {
+            const bf16* wt = packed + (j + t) * 16 * K;
+            float* ct = c + t * 1024;
+            switch (ns) {
+              case 1: amx_ntile<1>(slices, wt, K, ct); break;
+              case 2: amx_ntile<2>(slices, wt, K, ct); break;
+              case 3: amx_ntile<3>(slices, wt, K, ct); break;
+              default: amx_ntile<4>(slices, wt, K, ct); break;
+            }
           }
           const int64_t m0 = 16 * s, rows = M - m0 < 16 * ns ? M - m0 : 16 * ns;
-          for (int64_t m = 0; m < rows; m++)  // c holds slice q's row r at (16 q + r) * 16
-            store16(y + (m0 + m) * N + 16 * j, _mm512_add_ps(_mm512_loadu_ps(c + m * 16), b));
+          for (int64_t m = 0; m < rows; m++) {  // c holds slice q's row r at (16 q + r) * 16
+            const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + m * 16), b[0]);
+            bf16* dst = y + (m0 + m) * N + 16 * j;
+            if (tiles == 2) {
+              const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + 1024 + m * 16), b[1]);
+              _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            } else {
+              store16(dst, lo);
+            }
+          }
         }
       }
     }
