@@ -164,7 +164,6 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     head_packed = arena.copy_of(kernels.pack_amx(head)) if kernels.amx else None
     for m in (*range(1, args.max_m + 1), 16, 32, 64, 128, 256, 512):
         xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
-        amx = kernels.route(xs[h], head) == "amx"
 
         def step(linear: Callable[..., torch.Tensor], xs: dict[int, torch.Tensor] = xs) -> None:
             for ws in layers:
@@ -179,10 +178,19 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
                     kernels.linear_amx(xs[w.shape[1]], p, None)
             kernels.linear_amx(xs[h], head_packed, None)
 
+        # Past AMX_MAX_M the AMX kernel is still timed, to show why `route` sends those
+        # rows to oneDNN; without AMX, rows past the small-M kernel have only oneDNN.
+        route = kernels.route(xs[h], head)
+        if kernels.amx and m > kernels.small_m:
+            ours_fn, name = step_amx, "AMX" if route == "amx" else "AMX; routed to oneDNN"
+        elif route == "small":
+            ours_fn, name = (lambda xs=xs: step(kernels.linear, xs)), "small-M"
+        else:
+            continue
         base = best_of(lambda: step(F.linear), args.repeat)
-        ours = best_of(step_amx if amx else lambda: step(kernels.linear), args.repeat)
+        ours = best_of(ours_fn, args.repeat)
         speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}{m * nbytes / ours / 1e9:>16.0f}"
-        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {'AMX' if amx else 'small-M'}")
+        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {name}")
 
 
 def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:

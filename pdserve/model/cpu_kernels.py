@@ -97,10 +97,11 @@ _SIGNATURES["pd_decode_layers"] = [
     _P,
     _I,
 ]
-AMX_MAX_M = 256
-"""Most rows the AMX linear takes. It holds x 256 rows at a time in L2 against the
-streamed weights, and beats oneDNN up to here (2.1x at 128 rows, 1.1x at 256); at prefill
-sizes oneDNN's blocking wins (0.9x at 512, 0.6x at 2048 on a quiet machine)."""
+AMX_MAX_M = 128
+"""Most rows the AMX linear takes. Against oneDNN on a decode step's weights (`pdserve
+bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
+from 0.67x to 1.3x from run to run; 0.5-0.9x at 512 and above, where oneDNN's blocking
+reaches ~2.3 TFLOP/s on a quiet machine and this kernel ~1.5."""
 AMX_SMALL_M = 2
 """With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 

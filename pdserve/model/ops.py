@@ -8,7 +8,7 @@
   `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
   one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
   and linears for decode-sized batches that read each weight once per step: a
-  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights up to 256
+  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights up to 128
   (oneDNN repacks per call and reads weights at half the speed); prefill attention on
   AMX too. Prefill-sized GEMMs stay on oneDNN, and without AMX so does prefill attention.
 
