@@ -303,6 +303,8 @@ class CpuKernels:
         n, h, d = q.shape
         if q.stride(1) != d or q.stride(2) != 1 or not out.is_contiguous():
             raise ValueError("prefill attention needs dense heads in q and a contiguous out")
+        if block_table.dtype != torch.int64 or not block_table.is_contiguous():
+            raise ValueError("prefill attention needs a contiguous int64 block table")
         s_block, s_kv, s_tok = kv_layer.stride()[:3]
         status = self._lib.pd_prefill_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), s_block, s_kv, s_tok,
