@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.kernels import best_of
 from pdserve.model import cpu_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-
-
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> int:

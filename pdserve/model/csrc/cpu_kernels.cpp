@@ -560,9 +560,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: accumulators (one per slice of x); 4 and 5: x slices (alternating, so a load
-// need not wait for the multiply still reading the other); 6: the weight tile. All 16 rows
-// of 64 bytes.
+// Tiles 0-6, each 16 rows of 64 bytes. The linear uses 0-3 as accumulators (one per slice
+// of x), 4 and 5 for x slices (alternating, so a load need not wait for the multiply still
+// reading the other), 6 for the weight tile; prefill attention the same way round.
 inline void configure_tiles() {
   TileConfig cfg;
   memset(&cfg, 0, sizeof(cfg));
@@ -819,14 +819,7 @@ int pd_prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_
                     (i % key_blocks) * kKeyBlock, keys_padded, pk.data() + h * packed,
                     pv.data() + h * packed);
     }
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int i = 0; i < 7; i++) {
-      cfg.rows[i] = 16;
-      cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles();
     // Longest blocks (most keys) first, so the dynamic schedule ends evenly.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < H * q_blocks; i++) {
