@@ -542,9 +542,10 @@ int pd_decode_layers(const PdLayer* layers, int64_t num_layers, bf16* x, bf16* d
 // these shapes and reads them at ~8 GB/s. Longer x is taken kChunkRows at a time (the
 // chunk stays in L2 while the weights stream past). Against oneDNN on the default model's
 // layer shapes (2 cores, quiet machine): 1.7x at 64 rows, 2.1x at 128, but 0.9x at 512 and
-// 0.6x at 2048, where oneDNN reaches ~2.3 TFLOP/s and this ~1.5: its x tiles come strided
-// from L2, ~3x slower than from L1. So the Python side sends up to AMX_MAX_M rows here
-// and prefill-sized GEMMs to oneDNN.
+// 0.6x at 2048, where oneDNN reaches ~2.3 TFLOP/s and this ~1.5 (its x tiles come from
+// L2, where a tile load is ~3x slower than from L1; packing x into contiguous tiles first
+// made it slower, not faster). So the Python side sends up to AMX_MAX_M rows here and
+// prefill-sized GEMMs to oneDNN.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
