@@ -59,6 +59,12 @@ def test_greedy_picks_the_argmax_of_each_row() -> None:
     assert logprobs == [None, None, None]
 
 
+def test_greedy_ties_go_to_the_first_token() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 1.0, 5.0, 5.0]])
+    requests = [make_request(request_id=f"r{i}", temperature=0.0) for i in range(2)]
+    assert sample(logits, requests, make_generator())[0] == [1, 0]
+
+
 def test_empty_batch_samples_nothing() -> None:
     assert sample(torch.empty(0, 8), [], make_generator()) == ([], [])
 
