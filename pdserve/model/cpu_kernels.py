@@ -34,6 +34,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 HEAD_SIZES = (32, 64, 128, 256)
 """Head sizes the decode-attention kernel is specialised for."""
+PREFILL_HEAD_SIZES = (64, 128, 256)
+"""Head sizes the AMX prefill-attention kernel takes (whole 64-dim groups)."""
 SMALL_M = 6
 """Without AMX, the most rows the small-M kernel takes; above it oneDNN is as fast.
 From `pdserve bench kernels` (2 threads, one decode step's weights, 2026-11-30):
@@ -299,7 +301,7 @@ class CpuKernels:
         """One prefill chunk's causal attention on AMX (`amx` must be true): q [n, H, D]
         (rows may be strided) at positions num_context.., over keys 0..num_context+n-1,
         all in the paged cache (block_table [blocks] int64); writes out [n, H, D]
-        (contiguous). Head sizes 64, 128 and 256."""
+        (contiguous). Head sizes in PREFILL_HEAD_SIZES."""
         n, h, d = q.shape
         if q.stride(1) != d or q.stride(2) != 1 or not out.is_contiguous():
             raise ValueError("prefill attention needs dense heads in q and a contiguous out")

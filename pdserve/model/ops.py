@@ -252,7 +252,7 @@ class CpuKernelOps(TorchOps):
     ) -> None:
         """On AMX, every chunk reads its keys from the cache (the step's K/V are already
         there) in the flash kernel; otherwise SDPA."""
-        if not self.k.amx or q.shape[-1] not in (64, 128, 256):
+        if not self.k.amx or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
             return super().prefill_attention(q, k, v, kv_layer, meta, scale, out)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens

@@ -459,12 +459,12 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
 }
 
 // ---------------------------------------------------------------------------------------
-// Every decoder layer of a decode-only step, in one call. The
-// per-op path makes ~9 calls a layer from Python (~270 a step for a 30-layer model), each
-// costing ~15 microseconds of interpreter, ctypes and allocation time: at batch 1 on the
-// default model that was a fifth of the step (19.1 -> 14.9 ms a step). This runs the same
-// kernels in the same order on the same values, so its output is bit-identical to the
-// per-op path; it only removes the round trips.
+// Every decoder layer of a decode-only step, in one call. The per-op path makes ~9 calls a
+// layer from Python (~270 a step for a 30-layer model), each costing ~15 microseconds of
+// interpreter, ctypes and allocation time: at batch 1 on the default model that was a
+// fifth of the step (19.1 -> 14.9 ms a step). This runs the same kernels in the same order
+// on the same values, so its output is bit-identical to the per-op path; it only removes
+// the round trips.
 //
 // Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); rotary + KV write;
 // attn = decode attention; o = attn Wo^T; h = add_rms_norm(x, o); act = silu_mul(h Wgu^T);
@@ -681,19 +681,17 @@ namespace {
 constexpr int64_t kKeyBlock = 64;
 
 // Keys t0..t0+63 of kv head h into pk ([keys][D]) and pv ([D][keys_padded]); zeros past L.
-inline void pack_kv_block(const bf16* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
-                          const int64_t* block_table, int64_t block_size, int64_t h,
-                          int64_t D, int64_t L, int64_t t0, int64_t keys_padded, bf16* pk,
-                          bf16* pv) {
+inline void pack_kv_block(const PagedSeq& seq, int64_t h, int64_t D, int64_t L, int64_t t0,
+                          int64_t keys_padded, bf16* pk, bf16* pv) {
   for (int64_t t = t0; t < t0 + kKeyBlock; t++) {
     if (t >= L) {
       memset(pk + t * D, 0, D * sizeof(bf16));
       for (int64_t d = 0; d < D; d++) pv[d * keys_padded + t] = 0;
       continue;
     }
-    const bf16* k = kv + block_table[t / block_size] * s_block + (t % block_size) * s_tok + h * D;
+    const bf16* k = seq.row(t) + h * D;
     memcpy(pk + t * D, k, D * sizeof(bf16));
-    const bf16* v = k + s_kv;
+    const bf16* v = k + seq.s_kv;
     for (int64_t d = 0; d < D; d++) pv[d * keys_padded + t] = v[d];
   }
 }
@@ -746,7 +744,8 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
           : _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(static_cast<int>(key0 + j)));
       mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(st + 16 * j));
     }
-    const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(row_max, mx), vscale));  // 0 at first
+    // On the first block row_max is -inf and alpha underflows to ~1e-38; it scales zeros.
+    const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(row_max, mx), vscale));
     row_max = mx;
     const __m512 shift = _mm512_mul_ps(mx, vscale);
     __m512 sum = _mm512_setzero_ps();
@@ -811,14 +810,14 @@ int pd_prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_
   const int64_t keys_padded = key_blocks * kKeyBlock + 32, packed = keys_padded * D;
   std::vector<bf16> pk(Hkv * packed), pv(Hkv * packed);
   const int64_t q_blocks = (n + 15) / 16, G = H / Hkv;
+  const PagedSeq seq{kv, s_block, s_kv, s_tok, __builtin_ctzll(block_size), block_table};
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < Hkv * key_blocks; i++) {
       const int64_t h = i / key_blocks;
-      pack_kv_block(kv, s_block, s_kv, s_tok, block_table, block_size, h, D, L,
-                    (i % key_blocks) * kKeyBlock, keys_padded, pk.data() + h * packed,
-                    pv.data() + h * packed);
+      pack_kv_block(seq, h, D, L, (i % key_blocks) * kKeyBlock, keys_padded,
+                    pk.data() + h * packed, pv.data() + h * packed);
     }
     configure_tiles();
     // Longest blocks (most keys) first, so the dynamic schedule ends evenly.
