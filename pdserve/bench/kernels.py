@@ -238,7 +238,6 @@ def _prefill_attention(kernels: Any, arch: Any, args: argparse.Namespace) -> Non
     from pdserve.model.attention import (
         AttentionMetadata,
         PrefillChunk,
-        causal_mask_with_context,
         prefill_attention,
     )
 
@@ -252,7 +251,6 @@ def _prefill_attention(kernels: Any, arch: Any, args: argparse.Namespace) -> Non
         kv = torch.randn(num_blocks, 2, bs, hkv, d, dtype=BF16)
         table = torch.from_numpy(rng.permutation(num_blocks))
         q, k, v = (torch.randn(n, heads, d, dtype=BF16) for heads in (h, hkv, hkv))
-        mask = causal_mask_with_context(n, ctx, q.device) if ctx else None
         meta = AttentionMetadata(
             num_decode_tokens=0,
             slot_block_ids=torch.empty(0, dtype=torch.long),
@@ -261,7 +259,7 @@ def _prefill_attention(kernels: Any, arch: Any, args: argparse.Namespace) -> Non
             decode_block_tables=None,
             decode_seq_lens=None,
             decode_kv_buffer=None,
-            prefills=(PrefillChunk(0, n, ctx, table, mask),),
+            prefills=(PrefillChunk(0, n, ctx, table),),
         )
         out = torch.empty_like(q)
         base = best_of(lambda: prefill_attention(q, k, v, kv, meta, d**-0.5, out), args.repeat)  # noqa: B023

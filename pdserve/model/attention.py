@@ -35,8 +35,6 @@ class PrefillChunk:
     """Tokens of this request already in the cache before this chunk."""
     block_table: torch.Tensor
     """Block ids covering context + chunk, [num_blocks] int64."""
-    mask: torch.Tensor | None
-    """[num_tokens, context + num_tokens] bool, None when there is no context."""
 
 
 @dataclass(frozen=True)
@@ -151,18 +149,19 @@ def prefill_attention(
         # 4-D [1, H, n, D] inputs: PyTorch's CPU flash kernel only takes batched ones and
         # falls back to the ~10x slower math path for 3-D.
         qc = q[s : s + n].transpose(0, 1).unsqueeze(0)
-        if chunk.mask is None:
+        if not chunk.num_context_tokens:
             kc = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vc = v[s : s + n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            total = chunk.num_context_tokens + n
-            kc = _gather(k_cache, chunk.block_table)[:, :total].unsqueeze(0)
-            vc = _gather(v_cache, chunk.block_table)[:, :total].unsqueeze(0)
+            ctx = chunk.num_context_tokens
+            kc = _gather(k_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
+            mask = causal_mask_with_context(n, ctx, q.device)
             oc = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[s : s + n] = oc[0].transpose(0, 1)
 

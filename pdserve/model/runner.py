@@ -23,7 +23,6 @@ from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
-    causal_mask_with_context,
 )
 from pdserve.model.loader import LoadedModel
 from pdserve.model.ops import select_ops
@@ -217,7 +216,6 @@ class ModelRunner:
                     num_tokens=n,
                     num_context_tokens=ctx,
                     block_table=torch.from_numpy(table[:num_blocks]).to(self.device),
-                    mask=causal_mask_with_context(n, ctx, self.device) if ctx else None,
                 )
             )
             start += n

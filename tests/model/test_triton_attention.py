@@ -23,7 +23,6 @@ from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
-    causal_mask_with_context,
 )
 from pdserve.model.ops import TORCH_OPS
 
@@ -155,7 +154,6 @@ def test_triton_ops_match_torch_ops() -> None:
                 num_tokens=chunk_len,
                 num_context_tokens=chunk_ctx,
                 block_table=tables[3, :n_chunk_blocks].long(),
-                mask=causal_mask_with_context(chunk_len, chunk_ctx, dev),
             ),
         ),
     )
