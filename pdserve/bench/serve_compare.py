@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import subprocess
 
 from pdserve.bench.serve import (
@@ -58,17 +57,11 @@ def start_pdserve(args: argparse.Namespace) -> Node:
 
 
 def start_vllm(args: argparse.Namespace) -> Node:
-    from pdserve.bench.offline import VLLM_VENV, hf_dir_for
+    from pdserve.bench.offline import hf_dir_for, vllm_env, vllm_python
 
-    python = VLLM_VENV / "bin" / "python"
-    if not python.exists():
-        raise SystemExit(f"--compare vllm: {python} not found: run bench/vllm_cpu/setup.sh first")
+    python = vllm_python()
     port = free_port("127.0.0.1")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind}  # fmt: skip
-    iomp = VLLM_VENV / "lib" / "libiomp5.so"
-    if iomp.exists():  # vLLM's CPU docs: ~20% faster here (bench/vllm_cpu/run_vllm.py)
-        env["LD_PRELOAD"] = f"{iomp} {env.get('LD_PRELOAD', '')}".strip()
+    env = vllm_env(args.vllm_threads_bind)
     kv_bytes = int(args.kv_cache_memory_gib * (1 << 30))
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(hf_dir_for(args.compare_model)), "--served-model-name", MODEL_NAME,

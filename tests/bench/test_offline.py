@@ -48,13 +48,14 @@ def test_vllm_peer_without_its_virtualenv_says_how_to_make_it(
 # stderr), then an answer per workload line. Every line it reads goes to LOG, where the
 # stand-in for pdserve writes too, so the test sees the order the systems ran in.
 FAKE_VLLM = """
-import json, sys
+import json, os, sys
 log = open(LOG, "a", buffering=1)  # line by line, between pdserve's lines
 config = json.loads(sys.stdin.readline())
 log.write("config " + json.dumps(config) + "\\n")
 print("INFO loading", file=sys.stderr)
-print(json.dumps({"vllm_version": "fake", "threads_bind": config["threads_bind"],
-                  "ld_preload": "", "load_s": 1.0}), flush=True)
+print(json.dumps({"vllm_version": "fake", "ld_preload": os.environ.get("LD_PRELOAD", ""),
+                  "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "load_s": 1.0}),
+      flush=True)
 seconds = iter([0.01, 0.5, 0.25])
 for line in sys.stdin:
     w = json.loads(line)
@@ -98,13 +99,14 @@ def test_vllm_peer_alternates_with_pdserve_and_reports_its_own_timings(
     first, *runs = log.read_text().splitlines()
     config = json.loads(first.removeprefix("config "))
     assert config["model_dir"] == str(model)  # a Hugging Face directory is used as it is
-    assert (config["threads_bind"], config["dtype"]) == ("0-1", "bfloat16")
+    assert config["dtype"] == "bfloat16"
     assert config["max_model_len"] == 7 and config["kv_cache_memory_bytes"] >= 1 << 30
     timed = ["pdserve 2 prompts [4, 4]", "vllm 2 prompts [4, 4]"]
     assert runs == [  # warm-ups, then the systems in turn, then vLLM told to end
         "pdserve 2 prompts [4, 4]", "vllm 2 prompts [4, 4]", *timed, *timed, "vllm exit"
     ]  # fmt: skip
     out = capsys.readouterr().out
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1" in out  # its environment, as its answer says
     assert "vllm-cpu runs (s): 0.50, 0.25" in out  # the seconds it measured, not ours
     pdserve_result, vllm_result = json.loads(out.splitlines()[-1])
     assert (pdserve_result["system"], vllm_result["system"]) == ("pdserve", "vllm-cpu")
