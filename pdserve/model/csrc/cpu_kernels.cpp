@@ -598,6 +598,12 @@ void amx_ntile(const bf16* const* slices, const bf16* wt, int64_t K, float* c_ou
   if (S > 3) _tile_zero(3);
   const int64_t xs = K * 2;  // bytes between rows of x
   for (int64_t kb = 0; kb < K / 32; kb++) {
+    // The weights stream from memory, and the prefetchers do not run far enough ahead of
+    // tile loads: asking for the tile 4 k-steps ahead made a whole decode step's GEMMs
+    // 1.06-1.3x faster at 32-128 rows (alternating, one process), no change at 8-16. Past
+    // the last tile it touches the next n-tile's (a prefetch never faults).
+    const char* ahead = reinterpret_cast<const char*>(wt + (kb + 4) * 512);
+    for (int line = 0; line < 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     _tile_loadd(6, wt + kb * 512, 64);
     _tile_loadd(4, slices[0] + kb * 32, xs);
     _tile_dpbf16ps(0, 4, 6);
