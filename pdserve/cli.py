@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from pdserve import envs
+from pdserve.config import CacheConfig
 from pdserve.errors import ConfigError, PdserveError
 
 
@@ -22,7 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block"
+    )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     g.add_argument("--max-num-seqs", type=int, default=256)
