@@ -86,7 +86,7 @@ class DecodeGraphRunner:
     # -- the captured function -------------------------------------------------------
 
     def _step(self, batch: int) -> torch.Tensor:
-        """One decode step over the first `batch` staged rows; float32 logits [batch, V]."""
+        """One decode step over the first `batch` staged rows; logits [batch, V] (model dtype)."""
         staged = self.staged[:batch]
         input_ids = staged[:, 0].contiguous()
         positions = staged[:, 1].contiguous()
@@ -145,8 +145,8 @@ class DecodeGraphRunner:
         block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """Decode one token per sequence: `positions[i]` is the new token's position (its
-        context length), `block_tables[i]` covers position + 1 tokens. Returns float32
-        logits [n, V], a view of a static buffer valid until the next `run`."""
+        context length), `block_tables[i]` covers position + 1 tokens. Returns the
+        logits [n, V] (model dtype), a view of a static buffer valid until the next `run`."""
         n = len(token_ids)
         batch = self.padded_size(n)
         self._stage(token_ids, positions, block_tables)

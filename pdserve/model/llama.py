@@ -174,10 +174,12 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
         ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
-        """Run one step; return float32 logits for the tokens at `logits_indices` only."""
+        """Run one step; return logits for the tokens at `logits_indices` only, in the
+        model's dtype (the LM head's output as computed: the sampler widens to float32
+        only what it computes with)."""
         x = self.embed_tokens(input_ids)
         rope = ops.rope(self.rotary, positions, x.dtype)
         delta = ops.run_layers(self, x, rope, kv_cache, meta)
         x = x[logits_indices]
         h = ops.add_rms_norm(x, None if delta is None else delta[logits_indices], self.norm)
-        return ops.linear(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head)

@@ -108,7 +108,7 @@ class ModelRunner:
         return ModelOutput(sampled, logprobs)
 
     def forward(self, output: SchedulerOutput) -> torch.Tensor:
-        """Run the model over the step; float32 logits of the entries that sample."""
+        """Run the model over the step; logits (model dtype) of the entries that sample."""
         input_ids, positions, meta, logits_indices = self._prepare(output)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops)
 

@@ -65,6 +65,29 @@ def test_greedy_ties_go_to_the_first_token() -> None:
     assert sample(logits, requests, make_generator())[0] == [1, 0]
 
 
+def test_bf16_logits_sample_as_their_float32_widening() -> None:
+    """The model hands over bf16 logits: greedy picks (ties included) compare them as they
+    come, and logprobs, penalties and seeded draws compute on their float32 widening."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=gen).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie
+
+    def requests() -> list[Request]:  # fresh ones each time: a seeded request's draws advance
+        return [
+            make_request(request_id="greedy", temperature=0.0),
+            make_request(request_id="logprobs", temperature=0.0, logprobs=3),
+            make_request([5, 6, 7], request_id="pen", temperature=0.0, repetition_penalty=1.3),
+            make_request(request_id="min", temperature=0.0, min_tokens=2),
+            make_request(request_id="seeded", temperature=0.8, top_p=0.9, seed=7),
+            make_request(request_id="unseeded", temperature=1.0),
+        ]
+
+    got = sample(logits, requests(), make_generator())
+    assert got == sample(logits.float(), requests(), make_generator())
+    assert got[0][0] == 7
+    assert got[1][1] is not None and got[1][0] is None
+
+
 def test_empty_batch_samples_nothing() -> None:
     assert sample(torch.empty(0, 8), [], make_generator()) == ([], [])
 
