@@ -1,6 +1,8 @@
 """The offline mixed workload through pdserve with several KV block sizes, alternating in
 one process (every engine loaded once, then each run in turn), with the ratio of each
-run to its partner on the first block size and whether the outputs are identical.
+run to its partner on the first block size and whether the outputs are identical. Each
+engine is `bench offline`'s pdserve runner (same KV budget, prefix caching off, token
+counts checked), built with a different `block_size`.
 
 The measurement behind `CacheConfig.block_size` (docs/benchmarks.md):
 
@@ -12,10 +14,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-from pdserve import LLM, SamplingParams
-from pdserve.bench.offline import kv_cache_bytes, make_workload
+from pdserve.bench.offline import Workload, make_workload, pdserve_runner
 from pdserve.model.loader import read_arch
 
 
@@ -26,42 +26,28 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     sizes = [int(s) for s in args.block_sizes.split(",")]
-    wargs = argparse.Namespace(
+    bench_args = argparse.Namespace(  # what `pdserve bench offline --workload mixed` uses
         model="default", dtype="bfloat16", workload="mixed", num_prompts=args.num_prompts,
-        input_len=0, output_len=0, seed=0,
+        seed=0, max_num_seqs=256,
     )  # fmt: skip
-    workload = make_workload(wargs, read_arch("default").vocab_size)
-    llms = {
-        size: LLM(
-            "default",
-            dtype="bfloat16",
-            block_size=size,
-            kv_cache_memory_bytes=kv_cache_bytes(wargs, workload),
-            enable_prefix_caching=False,  # repeats send the same prompts (see bench offline)
-        )
-        for size in sizes
-    }
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
-    ]
-    for llm in llms.values():
-        llm.generate(workload.prompts[:2], params[:2])  # warm-up
+    workload = make_workload(bench_args, read_arch("default").vocab_size)
+    runners = {size: pdserve_runner(bench_args, workload, block_size=size) for size in sizes}
+    warmup = Workload("warm-up", workload.prompts[:2], [4, 4])
+    for runner in runners.values():
+        runner(warmup)
     seconds: dict[int, list[float]] = {size: [] for size in sizes}
-    tokens: dict[int, list[list[int]]] = {}
     for _ in range(args.repeat):
-        for size, llm in llms.items():
-            start = time.perf_counter()
-            outputs = llm.generate(workload.prompts, params)
-            seconds[size].append(time.perf_counter() - start)
-            tokens[size] = [list(o.outputs[0].token_ids) for o in outputs]
+        for size, runner in runners.items():
+            seconds[size].append(runner(workload))
             print(f"block size {size:>3}: {seconds[size][-1]:.1f} s", flush=True)
     base = sizes[0]
     for size in sizes[1:]:
         ratios = [a / b for a, b in zip(seconds[base], seconds[size], strict=True)]
-        same = sum(a == b for a, b in zip(tokens[base], tokens[size], strict=True))
+        tokens = [runners[s].last_token_ids for s in (base, size)]  # type: ignore[attr-defined]
+        same = sum(a == b for a, b in zip(*tokens, strict=True))
         print(
             f"block size {size} against {base}: {' '.join(f'{r:.3f}x' for r in ratios)}, "
-            f"median {statistics.median(ratios):.3f}x; identical outputs {same}/{len(tokens[base])}"
+            f"median {statistics.median(ratios):.3f}x; identical outputs {same}/{len(tokens[0])}"
         )
     return 0
 

@@ -79,7 +79,11 @@ class Runner(Protocol):
     def __call__(self, workload: Workload) -> float: ...
 
 
-def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "auto") -> Runner:
+def pdserve_runner(
+    args: argparse.Namespace, planned: Workload, kernels: str = "auto", **engine_options: Any
+) -> Runner:
+    """pdserve in this process; `engine_options` go to `LLM` as they are (block_size=16:
+    bench/block_size_probe.py). Each run leaves its timer and outputs on the runner."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.engine import StepTimer
 
@@ -94,6 +98,7 @@ def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "
         # prefill (a second mixed run took 75 s instead of 104). The random prompts of
         # one run share no prefix, so only the repeats change.
         enable_prefix_caching=False,
+        **engine_options,
     )
 
     def run(workload: Workload) -> float:
@@ -111,6 +116,7 @@ def pdserve_runner(args: argparse.Namespace, planned: Workload, kernels: str = "
                 f"pdserve produced {produced} tokens, not {workload.num_output_tokens}"
             )
         run.last_timer = timer  # type: ignore[attr-defined]
+        run.last_token_ids = [list(o.outputs[0].token_ids) for o in outputs]  # type: ignore[attr-defined]
         return seconds
 
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
