@@ -40,3 +40,10 @@ def huge_pages() -> bool:
     """PDSERVE_HUGE_PAGES: 0 keeps weights and the KV cache on ordinary 4 KiB pages
     (default 1: ask Linux for transparent huge pages; see pdserve/model/huge_pages.py)."""
     return os.environ.get("PDSERVE_HUGE_PAGES", "1") != "0"
+
+
+def cpu_isa() -> str:
+    """PDSERVE_CPU_ISA: cap the CPU level the fused kernels and the default dtype use
+    (`auto`, `none`, `avx2`, `avx512`, `avx512_bf16`, `amx`; see pdserve/model/cpu_isa.py).
+    `avx2` runs the AVX2 path on a bigger CPU, for tests and benchmarks."""
+    return os.environ.get("PDSERVE_CPU_ISA", "auto").strip().lower() or "auto"

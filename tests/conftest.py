@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,54 @@ def _default_hf_reference() -> Any:
 def smollm2_hf() -> Any:
     """HF transformers' Llama with SmolLM2's weights (fp32), the reference."""
     return _default_hf_reference()
+
+
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_references(smollm2_llm: Any, smollm2_hf: Any) -> list[tuple[list[int], list[int], Any]]:
+    """(prompt ids, HF's 16 greedy tokens, HF's logits) for each of SMOLLM2_PROMPTS, fp32."""
+    refs = []
+    for text in SMOLLM2_PROMPTS:
+        ids = smollm2_llm.tokenizer.encode(text)
+        tokens, logits = hf_greedy(smollm2_hf, ids, 16)
+        refs.append((ids, tokens, logits))
+    return refs
+
+
+def assert_matches_hf(llm: Any, references: list[tuple[list[int], list[int], Any]]) -> None:
+    """Greedy tokens equal to HF's, and top-10 logprobs within 2e-3 of HF's, in fp32."""
+    from pdserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=10)
+    for ids, tokens, logits in references:
+        out = llm.generate([ids], params)[0].outputs[0]
+        assert out.token_ids == tokens
+        ref = torch.log_softmax(logits, dim=-1)
+        for step, entry in enumerate(out.logprobs):
+            top_ids = [t for t, _ in entry.top]
+            ours = torch.tensor([v for _, v in entry.top])
+            torch.testing.assert_close(ours, ref[step, top_ids], atol=2e-3, rtol=1e-3)
+
+
+@contextmanager
+def cpu_level(name: str) -> Iterator[None]:
+    """Run what is built inside at CPU level `name`, as PDSERVE_CPU_ISA=name would."""
+    from pdserve.model import cpu_isa
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CPU_ISA", name)
+        cpu_isa.effective.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_isa.effective.cache_clear()
 
 
 @pytest.fixture(scope="session")

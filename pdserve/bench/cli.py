@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+DTYPES = ["auto", "bfloat16", "float32"]
+
 
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="offline throughput vs. HF transformers")
     off.add_argument("--model", default="default")
-    off.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    off.add_argument(
+        "--dtype", default="auto", choices=DTYPES, help="auto: what pdserve picks on this CPU"
+    )
     off.add_argument("--workload", default="fixed", choices=["fixed", "mixed"])
     off.add_argument("--num-prompts", type=int, default=32)
     off.add_argument("--input-len", type=int, default=32)
@@ -50,7 +54,7 @@ def add_bench_parser(sub: Any) -> None:
     cmp = srv.add_argument_group("--compare: start each system here in turn, instead of --url")
     cmp.add_argument("--compare", default=None, help="systems to start and load: pdserve,vllm")
     cmp.add_argument("--compare-model", default="default", help="the model both systems load")
-    cmp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    cmp.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: pdserve's pick here")
     cmp.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="for each system")
     cmp.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     srv.set_defaults(func=_serve)
@@ -66,9 +70,20 @@ def add_bench_parser(sub: Any) -> None:
     add_kernels_parser(bench_sub)
 
 
+def resolve_dtype_name(name: str) -> str:
+    """`auto` -> the dtype pdserve picks on this machine's CPU (bfloat16 or float32), so
+    every system in a comparison runs in the same one."""
+    import torch
+
+    from pdserve.model.loader import resolve_dtype
+
+    return str(resolve_dtype(name, torch.device("cpu"))).removeprefix("torch.")
+
+
 def _offline(args: argparse.Namespace) -> int:
     from pdserve.bench.offline import run
 
+    args.dtype = resolve_dtype_name(args.dtype)
     return run(args)
 
 
@@ -78,6 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.compare:
         from pdserve.bench import serve_compare
 
+        args.dtype = resolve_dtype_name(args.dtype)
         return serve_compare.run(args)
     from pdserve.bench.serve import run
 

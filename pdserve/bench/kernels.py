@@ -33,12 +33,15 @@ import torch.nn.functional as F
 
 from pdserve.model import huge_pages
 
-BF16 = torch.bfloat16
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("kernels", help="fused CPU kernels vs. the PyTorch ops they replace")
     p.add_argument("--model", default="default")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="which kernels: bf16 or float32 (auto: what the model would run in here)",
+    )
     p.add_argument("--max-m", type=int, default=8, help="largest row count for the linear sweep")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
@@ -71,29 +74,36 @@ def copy_bandwidth(repeat: int, nbytes: int = 1 << 30) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.model import cpu_kernels
-    from pdserve.model.loader import read_arch
+    from pdserve.model.loader import read_arch, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    kernels = cpu_kernels.load()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    kernels = cpu_kernels.load(dtype)
     if kernels is None:
-        raise SystemExit(f"CPU kernels unavailable: {cpu_kernels._unavailable_reason()}")
+        raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason(dtype)}")
     arch = read_arch(args.model)
     torch.manual_seed(0)
     bw = copy_bandwidth(args.repeat)
-    print(f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s")
+    print(
+        f"{kernels.build.name} kernels at CPU level {kernels.isa.label}, {dtype}; "
+        f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
     _linear_sweep(kernels, arch, args)
     _attention(kernels, arch, args)
     if args.steps_batches:
-        _decode_steps(args, [int(b) for b in args.steps_batches.split(",")], bw)
+        _decode_steps(args, dtype, [int(b) for b in args.steps_batches.split(",")], bw)
     return 0
 
 
-def _decode_steps(args: argparse.Namespace, batches: list[int], bandwidth: float) -> None:
+def _decode_steps(
+    args: argparse.Namespace, dtype: torch.dtype, batches: list[int], bandwidth: float
+) -> None:
     from pdserve import LLM, SamplingParams
     from pdserve.model.ops import CpuKernelOps
 
-    llm = LLM(args.model, dtype="bfloat16", num_blocks=64 * max(batches), max_model_len=512)
+    name = str(dtype).removeprefix("torch.")
+    llm = LLM(args.model, dtype=name, num_blocks=64 * max(batches), max_model_len=512)
     if not isinstance(llm.engine.runner.ops, CpuKernelOps):
         print("\ndecode steps skipped: the model does not run on the CPU kernels")
         return
@@ -147,15 +157,17 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     shapes = [(qkv, h), (h, arch.num_heads * d), (2 * i, h), (h, i)]
     arena = huge_pages.Arena()  # where a loaded model's weights live
 
+    dtype = kernels.dtype
+
     def weight(n: int, k: int) -> torch.Tensor:
-        return arena.copy_of(torch.randn(n, k, dtype=BF16) * 0.02)
+        return arena.copy_of(torch.randn(n, k, dtype=dtype) * 0.02)
 
     layers = [[weight(n, k) for n, k in shapes] for _ in range(arch.num_layers)]
     head = weight(arch.vocab_size, h)
-    nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
+    nbytes = sum(w.nbytes for ws in layers for w in ws) + head.nbytes
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
     print(
-        f"{'rows':>5}{'oneDNN ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
+        f"{'rows':>5}{'torch ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
         f"{'kernel GFLOP/s':>16}"
     )
     packed = None
@@ -163,7 +175,7 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
         packed = [[arena.copy_of(kernels.pack_amx(w)) for w in ws] for ws in layers]
     head_packed = arena.copy_of(kernels.pack_amx(head)) if kernels.amx else None
     for m in (*range(1, args.max_m + 1), 16, 32, 64, 128, 256, 512):
-        xs = {k: torch.randn(m, k, dtype=BF16) for _, k in shapes}
+        xs = {k: torch.randn(m, k, dtype=dtype) for _, k in shapes}
 
         def step(linear: Callable[..., torch.Tensor], xs: dict[int, torch.Tensor] = xs) -> None:
             for ws in layers:
@@ -183,20 +195,23 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
         route = kernels.route(xs[h], head)
         if kernels.amx and m > kernels.small_m:
             ours_fn, name = step_amx, "AMX" if route == "amx" else "AMX; routed to oneDNN"
-        elif route == "small":
-            ours_fn, name = (lambda xs=xs: step(kernels.linear, xs)), "small-M"
+        elif route == "small" or kernels.dtype == torch.float32:
+            ours_fn = lambda xs=xs: step(kernels.linear, xs)  # noqa: E731
+            name = "small-M" if route == "small" else "small-M; routed to MKL"
         else:
             continue
         base = best_of(lambda: step(F.linear), args.repeat)
         ours = best_of(ours_fn, args.repeat)
-        speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}{m * nbytes / ours / 1e9:>16.0f}"
+        flops = 2 * m * nbytes // dtype.itemsize
+        speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}{flops / ours / 1e9:>16.0f}"
         print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {name}")
 
 
 def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     from pdserve.model.attention import AttentionMetadata, DecodeGroup, decode_attention_gathered
 
-    bs, hkv, d, h = 16, arch.num_kv_heads, arch.head_dim, arch.num_heads
+    bs, hkv, d, h = 64, arch.num_kv_heads, arch.head_dim, arch.num_heads
+    dtype = kernels.dtype
     print(
         f"\ndecode attention, one layer ({h} heads, {hkv} kv heads, D={d}), best of {args.repeat}"
     )
@@ -205,14 +220,14 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     for batch, length in ((1, 1000), (32, 160), (32, 1000), (64, 500)):
         per_seq = -(-length // bs)
         num_blocks = batch * per_seq + 1
-        kv = torch.randn(num_blocks, 2, bs, hkv, d, dtype=BF16)
+        kv = torch.randn(num_blocks, 2, bs, hkv, d, dtype=dtype)
         tables = torch.from_numpy(
             rng.permutation(num_blocks)[: batch * per_seq].reshape(batch, per_seq)
         )
         lens = torch.full((batch,), length)
-        q = torch.randn(batch, h, d, dtype=BF16)
+        q = torch.randn(batch, h, d, dtype=dtype)
         keys = torch.arange(per_seq * bs)
-        mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf")).to(BF16)
+        mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf")).to(dtype)
         meta = AttentionMetadata(
             num_decode_tokens=batch,
             slot_block_ids=torch.empty(0, dtype=torch.long),
@@ -220,7 +235,7 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
             decode_groups=(DecodeGroup(None, tables, mask[:, None, None, :]),),
             decode_block_tables=tables,
             decode_seq_lens=lens,
-            decode_kv_buffer=torch.empty(2, tables.numel(), bs, hkv, d, dtype=BF16),
+            decode_kv_buffer=torch.empty(2, tables.numel(), bs, hkv, d, dtype=dtype),
             prefills=(),
         )
         out = torch.empty_like(q)
@@ -242,6 +257,7 @@ def _prefill_attention(kernels: Any, arch: Any, args: argparse.Namespace) -> Non
     )
 
     bs, hkv, d, h = 16, arch.num_kv_heads, arch.head_dim, arch.num_heads
+    BF16 = torch.bfloat16
     print(f"\nprefill attention, one layer, one chunk, best of {args.repeat}")
     print(f"{'context':>8}{'chunk':>7}{'SDPA ms':>9}{'kernel ms':>11}{'speed-up':>10}"
           f"{'kernel GFLOP/s':>16}")  # fmt: skip

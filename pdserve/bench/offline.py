@@ -121,7 +121,7 @@ def pdserve_runner(
 
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
     run.name = name  # type: ignore[attr-defined]
-    run.ops = llm.engine.runner.ops.name  # type: ignore[attr-defined]
+    run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
 
 
@@ -371,10 +371,12 @@ def _report(
     results: list[Result],
     seconds: dict[str, list[float]],
 ) -> None:
+    from pdserve.model import cpu_isa
+
     print(
         f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt + "
         f"{w.num_output_tokens} output tokens, dtype {args.dtype}, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, CPU level {cpu_isa.describe()}"
     )
     print(f"{'system':<18}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>14}{'ratio':>8}")
     base = results[0]

@@ -34,7 +34,7 @@ HTTP = httpx.Client(headers=HEADERS)
 def add_parser(bench_sub: Any) -> None:
     pd = bench_sub.add_parser("pd", help="P/D: TTFT vs one node, KV read speed, release latency")
     pd.add_argument("--model", default="default")
-    pd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pd.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     pd.add_argument("--prompt-lens", default="1024,4096", help="comma-separated token counts")
     pd.add_argument("--repeat", type=int, default=3, help="TTFT samples per length and system")
     pd.add_argument("--release-samples", type=int, default=20, help="per scenario class")

@@ -1,13 +1,25 @@
-"""Build, load and call the fused bf16 CPU kernels in `csrc/cpu_kernels.cpp`.
+"""Build, load and call the fused CPU kernels: bf16 (`csrc/cpu_kernels.cpp`) and float32
+(`csrc/cpu_kernels_fp32.cpp`).
 
-The library is compiled on first use with the system's g++ (`-O3 -march=native
--fopenmp`, about a second) into a cache directory keyed by the source's hash and the
-CPU's flags, then loaded with ctypes. No PyTorch headers are involved, so a build costs
-nothing noticeable and no ABI ties the library to one torch version. The kernels run on
-the libgomp that PyTorch has already loaded (same soname), so they share its threads.
+Which library runs follows the model's dtype and the CPU's level (cpu_isa.py):
 
-`load()` returns None, with the reason logged once, where the kernels cannot be used:
-not Linux on x86-64, no AVX512-BF16, no g++, or a failed build. The model then runs its
+| dtype    | level                 | library                                          |
+|----------|-----------------------|--------------------------------------------------|
+| bfloat16 | avx512_bf16, amx      | `bf16`: AVX512-BF16 dot products, AMX tiles on amx |
+| float32  | avx512 and above      | `fp32-avx512`: the float32 kernels on 16 lanes    |
+| float32  | avx2                  | `fp32-avx2`: the same source on 8 lanes           |
+| other    | any                   | none: plain PyTorch ops                           |
+
+A library is compiled on first use with the system's g++ (about a second) into a cache
+directory keyed by its source, its flags and the CPU's flags, then loaded with ctypes. No
+PyTorch headers are involved, so a build costs nothing noticeable and no ABI ties the
+library to one torch version. The kernels run on the libgomp that PyTorch has already
+loaded (same soname), so they share its threads. The float32 builds name their ISA
+(`-march=x86-64-v3` for AVX2) instead of `-march=native`: forced onto a bigger CPU with
+PDSERVE_CPU_ISA, the AVX2 path runs AVX2 code, not whatever the compiler found there.
+
+`load()` returns None, with the reason logged once, where no kernels can be used: no
+library for the dtype at this level, no g++, or a failed build. The model then runs its
 plain PyTorch ops; the kernels are a speed-up, never a requirement.
 """
 
@@ -22,25 +34,54 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pdserve import envs
+from pdserve.model import cpu_isa
+from pdserve.model.cpu_isa import CpuIsa
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One kernel library: the source, the compiler flags, the dtype it computes in and
+    the lowest CPU level that runs it."""
+
+    name: str
+    source: Path
+    flags: tuple[str, ...]
+    dtype: torch.dtype
+    isa: CpuIsa
+
+
+BUILDS = (
+    Build("bf16", CSRC / "cpu_kernels.cpp", ("-march=native",), torch.bfloat16,
+          CpuIsa.AVX512_BF16),
+    Build("fp32-avx512", CSRC / "cpu_kernels_fp32.cpp",
+          ("-march=x86-64-v4", "-mtune=native", "-DPD_VEC_AVX512"), torch.float32, CpuIsa.AVX512),
+    Build("fp32-avx2", CSRC / "cpu_kernels_fp32.cpp", ("-march=x86-64-v3", "-mtune=native"),
+          torch.float32, CpuIsa.AVX2),
+)  # fmt: skip
+"""Best first: `build_for` takes the first one a dtype and a level allow."""
+
 HEAD_SIZES = (32, 64, 128, 256)
-"""Head sizes the decode-attention kernel is specialised for."""
+"""Head sizes the decode-attention kernels are specialised for."""
 PREFILL_HEAD_SIZES = (64, 128, 256)
 """Head sizes the AMX prefill-attention kernel takes (whole 64-dim groups)."""
 SMALL_M = 6
-"""Without AMX, the most rows the small-M kernel takes; above it oneDNN is as fast.
+"""bf16 without AMX: the most rows the small-M kernel takes; above it oneDNN is as fast.
 From `pdserve bench kernels` (2 threads, one decode step's weights, 2026-11-30):
 small-M 10-16 ms vs oneDNN 22 ms for 1-6 rows; with AMX: AMX 10-11 ms for 3-16 rows,
 15 ms at 32 (oneDNN 31 ms), 32 ms at 64 (oneDNN 41 ms)."""
+FP32_MAX_M = 128
+"""float32: the most rows the small-M kernel takes (it reads each weight once a call;
+MKL repacks the weights every call)."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -108,35 +149,37 @@ AMX_SMALL_M = 2
 """With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def build_for(dtype: torch.dtype, isa: CpuIsa) -> Build | None:
+    """The library for `dtype` at CPU level `isa`, or None (PyTorch ops)."""
+    return next((b for b in BUILDS if b.dtype == dtype and isa >= b.isa), None)
 
 
-def _unavailable_reason() -> str | None:
+def unavailable_reason(dtype: torch.dtype, isa: CpuIsa | None = None) -> str | None:
+    """Why no kernels run for `dtype` at `isa` (default: this machine's level), or None."""
+    isa = cpu_isa.effective() if isa is None else isa
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"not Linux/x86-64 ({platform.system()}/{platform.machine()})"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    if build_for(dtype, isa) is None:
+        needs = {torch.bfloat16: "avx512_bf16", torch.float32: "avx2"}.get(dtype)
+        if needs is None:
+            return f"no CPU kernels compute in {dtype}"
+        return f"{dtype} kernels need the {needs} level; this CPU runs at {isa.label}"
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         return "no C++ compiler (g++, or $CXX) on PATH"
     return None
 
 
-def _build(target: Path) -> None:
+def _compile_command(build: Build, output: str) -> list[str]:
+    flags = ["-O3", *build.flags, "-fopenmp", "-shared", "-fPIC", "-fno-semantic-interposition"]
+    return [os.environ.get("CXX", "g++"), *flags, "-std=c++17", "-o", output, str(build.source)]
+
+
+def _build(build: Build, target: Path) -> None:
     """Compile to a temporary file, then rename: concurrent processes never see a torn .so."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-shared",
-           "-fPIC", "-std=c++17", "-o", tmp, str(SOURCE)]  # fmt: skip
+    cmd = _compile_command(build, tmp)
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
@@ -147,24 +190,32 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
-def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join(sorted(_cpu_flags())).encode())
-    key.update(os.environ.get("CXX", "g++").encode())
-    return envs.cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+def _library_path(build: Build) -> Path:
+    key = hashlib.sha256()
+    for source in sorted(CSRC.iterdir()):  # the source and the headers it includes
+        key.update(source.name.encode() + source.read_bytes())
+    key.update(" ".join(_compile_command(build, "")).encode())
+    key.update(" ".join(sorted(cpu_isa.cpu_flags())).encode())
+    return envs.cache_dir() / "kernels" / f"cpu_kernels-{build.name}-{key.hexdigest()[:16]}.so"
+
+
+def load(dtype: torch.dtype = torch.bfloat16, isa: CpuIsa | None = None) -> CpuKernels | None:
+    """The kernels for `dtype` at CPU level `isa` (default: this machine's, as capped by
+    PDSERVE_CPU_ISA), built if needed; None (reason logged) if none can run."""
+    return _load(dtype, cpu_isa.effective() if isa is None else isa)
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The kernels for this machine, built if needed; None (reason logged) if unusable."""
-    reason = _unavailable_reason()
-    if reason is None:
-        path = _library_path()
+def _load(dtype: torch.dtype, isa: CpuIsa) -> CpuKernels | None:
+    reason = unavailable_reason(dtype, isa)
+    build = build_for(dtype, isa)
+    if reason is None and build is not None:
+        path = _library_path(build)
         try:
             if not path.exists():
-                logger.info("building the CPU kernels into %s", path)
-                _build(path)
-            return CpuKernels(ctypes.CDLL(str(path)))
+                logger.info("building the %s CPU kernels into %s", build.name, path)
+                _build(build, path)
+            return CpuKernels(ctypes.CDLL(str(path)), build, isa)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             reason = f"build or load failed: {e}"
     logger.warning("fused CPU kernels disabled (%s); using PyTorch ops", reason)
@@ -176,28 +227,52 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class CpuKernels:
-    """Typed wrappers. Callers guarantee bf16, contiguous rows and the shape rules below."""
+    """Typed wrappers around one library (`build`). Callers guarantee tensors in the
+    library's dtype, contiguous rows and the shape rules below."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, build: Build, isa: CpuIsa) -> None:
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name in _RETURNS_INT else None
+            fn = getattr(lib, name, None)  # the float32 library has no AMX entry points
+            if fn is not None:
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int if name in _RETURNS_INT else None
         self._lib = lib
-        # AMX needs the CPU, a build with AMX enabled, and the kernel's permission.
-        self.amx = bool(lib.pd_amx_available()) and lib.pd_amx_init() == 0
+        self.build, self.dtype = build, build.dtype
+        # AMX needs the level (PDSERVE_CPU_ISA may cap it), a build with AMX enabled and
+        # the kernel's permission.
+        self.amx = (
+            isa >= CpuIsa.AMX
+            and hasattr(lib, "pd_amx_available")
+            and bool(lib.pd_amx_available())
+            and lib.pd_amx_init() == 0
+        )
+        self.isa = CpuIsa.AMX if self.amx else build.isa
+        """The level of the code that runs: what reports and benchmarks name."""
+        self.k_multiple = 32 if self.dtype == torch.bfloat16 else 16
+        """Inner (K) sizes the linear and the one-call path take are multiples of this."""
 
     def route(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
-        """Which kernel computes x @ weight^T: "small" (weight-streaming, few rows), "amx"
-        (up to AMX_MAX_M rows, weight packed by `pack_amx`), or None (oneDNN: prefill
-        sizes, no AMX, or a shape neither kernel takes)."""
+        """Which kernel computes x @ weight^T: "small" (weight-streaming, up to `small_m`
+        rows), "amx" (up to AMX_MAX_M rows, weight packed by `pack_amx`), or None
+        (oneDNN/MKL: prefill sizes, or a shape neither kernel takes)."""
         m, (n, k) = x.shape[0], weight.shape
-        if k % 32:
+        if k % self.k_multiple:
             return None
-        amx = self.amx and n % 16 == 0
-        if m <= (AMX_SMALL_M if amx else SMALL_M):
+        if m <= self.small_m:
             return "small"
-        return "amx" if amx and m <= AMX_MAX_M else None
+        return "amx" if self.amx and n % 16 == 0 and m <= AMX_MAX_M else None
+
+    @property
+    def small_m(self) -> int:
+        """Most rows the small-M linear takes (what `route` sends to "small")."""
+        if self.dtype == torch.float32:
+            return FP32_MAX_M
+        return AMX_SMALL_M if self.amx else SMALL_M
+
+    @property
+    def max_one_call_m(self) -> int:
+        """Most rows a decode-only step may have to run in one `decode_layers` call."""
+        return AMX_MAX_M if self.amx else self.small_m
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -349,8 +424,3 @@ class CpuKernels:
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")
         return delta
-
-    @property
-    def small_m(self) -> int:
-        """Most rows the small-M linear takes (what `route` sends to "small")."""
-        return AMX_SMALL_M if self.amx else SMALL_M

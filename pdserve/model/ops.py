@@ -4,13 +4,16 @@
 
 - `TorchOps`: plain PyTorch (any device, any dtype). Decode attention gathers each
   group's K/V blocks and calls SDPA (see attention.py).
-- `CpuKernelOps`: bf16 on x86-64 CPUs with AVX512-BF16, through the fused kernels in
-  `csrc/cpu_kernels.cpp`: residual add + RMSNorm in one pass, rotary + KV-cache write in
-  one pass, SiLU·mul in one pass, decode attention read straight from the paged cache,
-  and linears for decode-sized batches that read each weight once per step: a
-  weight-streaming AVX512 loop for 1-2 rows, AMX tiles on pre-packed weights up to 128
-  (oneDNN repacks per call and reads weights at half the speed); prefill attention on
-  AMX too. Prefill-sized GEMMs stay on oneDNN, and without AMX so does prefill attention.
+- `CpuKernelOps`: x86-64 CPUs through the fused kernels (cpu_kernels.py picks the library
+  from the dtype and the CPU's level): residual add + RMSNorm in one pass, rotary +
+  KV-cache write in one pass, SiLU·mul in one pass, decode attention read straight from
+  the paged cache, and linears for decode-sized batches that read each weight once per
+  step. In bf16 (`csrc/cpu_kernels.cpp`, AVX512-BF16): a weight-streaming loop for a few
+  rows, AMX tiles on pre-packed weights up to 128 (oneDNN repacks per call and reads
+  weights at half the speed), prefill attention on AMX too. In float32
+  (`csrc/cpu_kernels_fp32.cpp`, AVX2 or AVX-512): the weight-streaming loop up to
+  FP32_MAX_M rows. Prefill-sized GEMMs stay on oneDNN/MKL, and without AMX so does
+  prefill attention.
 
 The residual stream is carried as (x, delta): each layer's two norms first add the
 pending delta into x in place, which is what lets the kernel fuse add and norm.
@@ -44,6 +47,11 @@ class TorchOps:
     name = "torch"
     paged_decode = False
     """True when decode attention reads the paged cache directly (no decode groups)."""
+
+    @property
+    def label(self) -> str:
+        """What ran, for logs and benchmark reports (the kernels' CPU level included)."""
+        return self.name
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -159,9 +167,14 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels: cpu_kernels.CpuKernels) -> None:
         self.k = kernels
+        self.dtype = kernels.dtype
         self.one_call = True
         """False runs every step per op (what `pdserve bench kernels` compares against)."""
         self._layer_tables: dict[tuple[int, int, bool], Any] = {}
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.k.isa.label})"
 
     def run_layers(
         self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
@@ -174,8 +187,7 @@ class CpuKernelOps(TorchOps):
         t = x.shape[0]
         amx = t > self.k.small_m
         table = None
-        max_rows = cpu_kernels.AMX_MAX_M if self.k.amx else self.k.small_m
-        if self.one_call and not meta.prefills and t <= max_rows:
+        if self.one_call and not meta.prefills and t <= self.k.max_one_call_m:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)
@@ -193,7 +205,8 @@ class CpuKernelOps(TorchOps):
     def _layer_table(self, model: Any, kv_cache: torch.Tensor, amx: bool) -> Any:
         """The layers' weight and cache pointers for `pd_decode_layers`, built once per
         model, cache and linear kernel; None when a layer does not fit (a bias other than
-        qkv's, an inner size not a multiple of 32, or for AMX an outer one not of 16)."""
+        qkv's, an inner size not a multiple of `k_multiple`, or for AMX an outer one not
+        of 16)."""
         key = (id(model), kv_cache.data_ptr(), amx)
         if key not in self._layer_tables:
             self._layer_tables[key] = _layer_table(self.k, model, kv_cache, amx)
@@ -270,7 +283,8 @@ def _layer_table(
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(lin.bias is not None for lin in linears[1:]) or any(
-            lin.weight.shape[1] % 32 or (amx and lin.weight.shape[0] % 16) for lin in linears
+            lin.weight.shape[1] % kernels.k_multiple or (amx and lin.weight.shape[0] % 16)
+            for lin in linears
         ):
             return None
         packed = [_amx_weight(kernels, lin).data_ptr() if amx else None for lin in linears]
@@ -311,12 +325,12 @@ def select_ops(choice: str, device: torch.device, dtype: torch.dtype, arch: Any)
         if device.type != "cuda" or not triton_available():
             raise ConfigError("kernels='triton' needs a CUDA device and the triton package")
         return TritonOps()
-    if choice == "torch" or device.type != "cpu" or dtype != torch.bfloat16:
+    if choice == "torch" or device.type != "cpu":
         return TORCH_OPS
     dims = (arch.head_dim, arch.hidden_size, arch.intermediate_size)
     shapes_fit = dims[0] in cpu_kernels.HEAD_SIZES and dims[1] % 16 == 0 and dims[2] % 16 == 0
     if not shapes_fit:
         logger.info("fused CPU kernels skipped: head size or hidden sizes do not fit them")
         return TORCH_OPS
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load(dtype)
     return TORCH_OPS if kernels is None else CpuKernelOps(kernels)

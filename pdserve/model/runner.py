@@ -73,7 +73,7 @@ class ModelRunner:
     ) -> None:
         self.model = loaded.model
         self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch)
-        logger.info("model ops: %s", self.ops.name)
+        logger.info("model ops: %s", self.ops.label)
         self.device = loaded.device
         self.block_size = block_size
         a = loaded.arch

@@ -4,48 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-import torch
-
 from pdserve import SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import SMOLLM2_PROMPTS, assert_matches_hf
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-]
+PROMPTS = SMOLLM2_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def references(
-    smollm2_llm: Any, smollm2_hf: Any
-) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    refs = []
-    for text in PROMPTS:
-        ids = smollm2_llm.tokenizer.encode(text)
-        tokens, logits = hf_greedy(smollm2_hf, ids, 16)
-        refs.append((ids, tokens, logits))
-    return refs
+def test_logits_match_hf(smollm2_llm: Any, smollm2_references: Any) -> None:
+    assert_matches_hf(smollm2_llm, smollm2_references)
 
 
-def test_logits_match_hf(smollm2_llm: Any, references: Any) -> None:
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=10)
-    for ids, tokens, logits in references:
-        out = smollm2_llm.generate([ids], params)[0].outputs[0]
-        assert out.token_ids == tokens
-        ref = torch.log_softmax(logits, dim=-1)
-        for step, entry in enumerate(out.logprobs):
-            top_ids = [t for t, _ in entry.top]
-            ours = torch.tensor([v for _, v in entry.top])
-            torch.testing.assert_close(ours, ref[step, top_ids], atol=2e-3, rtol=1e-3)
-
-
-def test_greedy_batch1_and_mixed_batch_match_hf(smollm2_llm: Any, references: Any) -> None:
+def test_greedy_batch1_and_mixed_batch_match_hf(smollm2_llm: Any, smollm2_references: Any) -> None:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    batch = [ids for ids, _, _ in references]
-    expected = [tokens for _, tokens, _ in references]
+    batch = [ids for ids, _, _ in smollm2_references]
+    expected = [tokens for _, tokens, _ in smollm2_references]
     alone = [smollm2_llm.generate([ids], params)[0].outputs[0].token_ids for ids in batch]
     together = [o.outputs[0].token_ids for o in smollm2_llm.generate(batch, params)]
     assert alone == expected

@@ -1,0 +1,431 @@
+// Fused float32 kernels for the CPU decode path, written once against the vector
+// operations of vec_x86.h: AVX2 + FMA (8 lanes; every x86-64 CPU since about 2015) or
+// AVX-512 (16 lanes). The float32 twin of cpu_kernels.cpp (bf16 on AVX512-BF16 / AMX),
+// with the same entry points and the same structure:
+// - a small-M linear that streams each weight from memory once per call;
+// - residual add + RMSNorm, SiLU * up, rotary + KV-cache write, each one pass;
+// - decode attention read in place from the paged cache;
+// - every layer of a decode-only step in one call.
+//
+// Built on first use by pdserve/model/cpu_kernels.py and called through ctypes with raw
+// pointers. Activations, weights, the KV cache and every accumulation are float32, so the
+// output matches PyTorch's float32 path up to the order of additions. Shapes are checked
+// on the Python side; the kernels trust them.
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vec_x86.h"
+
+using vec::F;
+using vec::kLanes;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Small-M linear: y[M, N] = x[M, K] W[N, K]^T (+ bias), K % kLanes == 0, weights as they
+// are stored (no packing).
+//
+// A register tile is MT rows of x against R rows of W (kTileRows x kTileWeights at most):
+// each step along K loads the R weight vectors once and each x vector once, and does the
+// MT x R FMAs (on AVX2, 12 accumulators + 3 weights + 1 x = all 16 registers). A task is
+// one group of R weight rows against every row of x: its first tile streams the group from
+// memory (prefetching the next group's rows), the other tiles find it in L1. Each weight
+// byte is thus read from memory once per call, whatever M is; oneDNN/MKL instead repack
+// the weights on every call at these shapes.
+
+constexpr int kR = vec::kTileWeights;
+constexpr int kFloatsPerLine = 64 / sizeof(float);
+
+template <int MT, int R, bool kPrefetch>
+inline void linear_tile(const float* x, const float* w, const float* bias, float* y,
+                        int64_t N, int64_t K, int64_t n0) {
+  F acc[MT][R];
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = vec::zero();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    F wv[R];
+    for (int r = 0; r < R; r++) {
+      if (kPrefetch && k % kFloatsPerLine == 0) vec::prefetch(w + (r + R) * K + k);
+      wv[r] = vec::load(w + r * K + k);
+    }
+    for (int m = 0; m < MT; m++) {
+      const F xv = vec::load(x + m * K + k);
+      for (int r = 0; r < R; r++) acc[m][r] = vec::fmadd(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < R; r++)
+      y[m * N + n0 + r] = vec::reduce_add(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+}
+
+// Every row of x against weight rows n0..n0+R-1.
+template <int R>
+inline void linear_group(const float* x, const float* w, const float* bias, float* y,
+                         int64_t M, int64_t N, int64_t K, int64_t n0, bool prefetch) {
+  constexpr int MT = vec::kTileRows;
+  const float* wg = w + n0 * K;
+  int64_t m = 0;
+  if (M >= MT) {  // the first tile brings the group in from memory
+    if (prefetch)
+      linear_tile<MT, R, true>(x, wg, bias, y, N, K, n0);
+    else
+      linear_tile<MT, R, false>(x, wg, bias, y, N, K, n0);
+    m = MT;
+  }
+  for (; m + MT <= M; m += MT) linear_tile<MT, R, false>(x + m * K, wg, bias, y + m * N, N, K, n0);
+  static_assert(MT == 4, "the tail below handles 1-3 rows");
+  const float *xm = x + m * K;
+  float* ym = y + m * N;
+  const bool first = m == 0 && prefetch;
+  switch (M - m) {
+    case 1: first ? linear_tile<1, R, true>(xm, wg, bias, ym, N, K, n0)
+                  : linear_tile<1, R, false>(xm, wg, bias, ym, N, K, n0); break;
+    case 2: first ? linear_tile<2, R, true>(xm, wg, bias, ym, N, K, n0)
+                  : linear_tile<2, R, false>(xm, wg, bias, ym, N, K, n0); break;
+    case 3: first ? linear_tile<3, R, true>(xm, wg, bias, ym, N, K, n0)
+                  : linear_tile<3, R, false>(xm, wg, bias, ym, N, K, n0); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void pd_linear_small(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                     int64_t N, int64_t K) {
+  const int64_t groups = N / kR;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; g++) linear_group<kR>(x, w, bias, y, M, N, K, g * kR, g + 1 < groups);
+  for (int64_t n = groups * kR; n < N; n++)  // rows left over when N % kR != 0
+    linear_group<1>(x, w, bias, y, M, N, K, n, false);
+}
+
+// ---------------------------------------------------------------------------------------
+// x = x + delta (when delta is given), then out = x * rsqrt(mean(x^2) + eps) * weight.
+// Rows of H elements, H % kLanes == 0.
+
+void pd_add_rms_norm(float* x, const float* delta, const float* weight, float* out, int64_t T,
+                     int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T > 1)
+  for (int64_t t = 0; t < T; t++) {
+    float* xr = x + t * H;
+    F ss = vec::zero();
+    for (int64_t i = 0; i < H; i += kLanes) {
+      F v = vec::load(xr + i);
+      if (delta) {
+        v = vec::add(v, vec::load(delta + t * H + i));
+        vec::store(xr + i, v);
+      }
+      ss = vec::fmadd(v, v, ss);
+    }
+    const F scale = vec::set1(1.0f / sqrtf(vec::reduce_add(ss) / static_cast<float>(H) + eps));
+    for (int64_t i = 0; i < H; i += kLanes)
+      vec::store(out + t * H + i, vec::mul(vec::mul(vec::load(xr + i), scale), vec::load(weight + i)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]; I % kLanes == 0.
+
+void pd_silu_mul(const float* gate_up, float* out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
+  for (int64_t t = 0; t < T; t++) {
+    const float* g = gate_up + t * 2 * I;
+    for (int64_t i = 0; i < I; i += kLanes) {
+      const F gv = vec::load(g + i);
+      const F silu = vec::div(gv, vec::add(vec::set1(1.0f), vec::exp(vec::sub(vec::zero(), gv))));
+      vec::store(out + t * I + i, vec::mul(silu, vec::load(g + I + i)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary (rotate-half form) applied in place to the query and key heads of a fused
+// qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
+// cache slots. cos/sin are tables [max_positions, D] (each half repeats the other). The
+// cache is addressed by strides (in elements): block, K/V plane, token; heads are
+// contiguous within a token. D % (2 kLanes) == 0.
+
+void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                        const float* cos, const float* sin, const int64_t* positions,
+                        float* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const int64_t* slot_blocks, const int64_t* slot_offsets) {
+  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T > 1)
+  for (int64_t t = 0; t < T; t++) {
+    float* row = qkv + t * width;
+    const float* c = cos + positions[t] * D;
+    const float* s = sin + positions[t] * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+      float* x = row + h * D;
+      for (int64_t i = 0; i < half; i += kLanes) {
+        const F x1 = vec::load(x + i), x2 = vec::load(x + half + i);
+        const F c1 = vec::load(c + i), s1 = vec::load(s + i);
+        vec::store(x + i, vec::fmsub(x1, c1, vec::mul(x2, s1)));
+        vec::store(x + half + i, vec::fmadd(x2, c1, vec::mul(x1, s1)));
+      }
+    }
+    float* slot = kv + slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
+    memcpy(slot, row + H * D, Hkv * D * sizeof(float));                // keys
+    memcpy(slot + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(float));  // values
+  }
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------
+// Decode attention straight from the paged cache: one query token per sequence, keys and
+// values read in place through the block table. q[b] starts at q + b * q_stride with H
+// heads of D; out is [B, H, D] contiguous.
+//
+// A task is one sequence and a range of its kv heads (all of them when there are enough
+// sequences to keep every thread busy, else one). Three passes, as in the bf16 kernel:
+// 1. scores of every (kv head, query head) of the task, kLanes keys at a time: the keys'
+//    row addresses are looked up once for all heads, and each head's kLanes dot-product
+//    vectors are summed by one transpose-and-add instead of kLanes horizontal sums;
+// 2. per query head, exp(score - max) and its sum (an exact softmax over the whole row);
+// 3. each value row accumulated into as many query heads as the registers hold, over a
+//    slice of at most 8 vectors of dimensions; the sum is divided out at the end.
+// The first pass over K and over V prefetch the task's rows kPrefetchTokens ahead: a
+// sequence's blocks are scattered over the cache, where the hardware prefetchers lose them.
+
+namespace {
+
+constexpr int64_t kPrefetchTokens = 32;
+
+// One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
+// + s_kv. Block sizes are powers of two: shifts, not divisions.
+struct PagedSeq {
+  const float* kv;
+  int64_t s_block, s_kv, s_tok;
+  int block_shift;
+  const int64_t* table;
+  inline const float* row(int64_t t) const {
+    return kv + table[t >> block_shift] * s_block + (t & ((int64_t{1} << block_shift) - 1)) * s_tok;
+  }
+};
+
+inline void prefetch_bytes(const float* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < bytes; c += 64) vec::prefetch(p + c);
+}
+
+// Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows padded
+// to ls, a multiple of kLanes; the padding is overwritten by pass 2).
+template <int D>
+void score_task(const float* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
+                int64_t G, float scale, float* s, int64_t ls) {
+  const F vscale = vec::set1(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
+    const float* key[kLanes];
+    for (int i = 0; i < kLanes; i++) key[i] = seq.row(t0 + i < L ? t0 + i : L - 1) + hk0 * D;
+    for (int64_t t = t0 + kPrefetchTokens; t < t0 + kPrefetchTokens + kLanes && t < L; t++)
+      prefetch_bytes(seq.row(t) + hk0 * D, nhk * D * sizeof(float));
+    for (int64_t h = 0; h < nhk; h++) {
+      for (int64_t g = 0; g < G; g++) {
+        const float* qh = q + ((hk0 + h) * G + g) * D;
+        F part[kLanes];
+        for (int i = 0; i < kLanes; i++) part[i] = vec::zero();
+        for (int c = 0; c < D; c += kLanes) {
+          const F qv = vec::load(qh + c);
+          for (int i = 0; i < kLanes; i++)
+            part[i] = vec::fmadd(vec::load(key[i] + h * D + c), qv, part[i]);
+        }
+        vec::store(s + (h * G + g) * ls + t0, vec::mul(vec::transpose_add(part), vscale));
+      }
+    }
+  }
+}
+
+// Pass 2: s[t] = exp(s[t] - max) over the row's first L scores (the padding becomes ~0);
+// returns 1 / their sum.
+inline float exp_row(float* s, int64_t L, int64_t ls) {
+  for (int64_t t = L; t < ls; t++) s[t] = -INFINITY;
+  F vmax = vec::set1(-INFINITY);
+  for (int64_t t = 0; t < ls; t += kLanes) vmax = vec::max(vmax, vec::load(s + t));
+  const F mx = vec::set1(vec::reduce_max(vmax));
+  F vsum = vec::zero();
+  for (int64_t t = 0; t < ls; t += kLanes) {
+    const F e = vec::exp(vec::sub(vec::load(s + t), mx));
+    vec::store(s + t, e);
+    vsum = vec::add(vsum, e);
+  }
+  return 1.0f / vec::reduce_add(vsum);
+}
+
+// Pass 3 for NG query heads of kv head hk, dimensions d0..d0+DS-1:
+// out_g[d] = inv_g * sum_t p_g[t] v_t[d].
+template <int DS, int NG>
+void accumulate_values(const float* p, int64_t ls, const float* inv, const PagedSeq& seq,
+                       int64_t L, int64_t hk, int64_t D, int64_t d0, float* out,
+                       int64_t prefetch, int64_t hk0) {
+  constexpr int kV = DS / kLanes;
+  F acc[NG][kV];
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < kV; c++) acc[g][c] = vec::zero();
+  for (int64_t t = 0; t < L; t++) {
+    if (prefetch && t + kPrefetchTokens < L)
+      prefetch_bytes(seq.row(t + kPrefetchTokens) + seq.s_kv + hk0 * D, prefetch);
+    const float* v = seq.row(t) + seq.s_kv + hk * D + d0;
+    F vv[kV];
+    for (int c = 0; c < kV; c++) vv[c] = vec::load(v + c * kLanes);
+    for (int g = 0; g < NG; g++) {
+      const F pg = vec::set1(p[g * ls + t]);
+      for (int c = 0; c < kV; c++) acc[g][c] = vec::fmadd(pg, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; g++) {
+    const F sc = vec::set1(inv[g]);
+    for (int c = 0; c < kV; c++) vec::store(out + g * D + d0 + c * kLanes, vec::mul(acc[g][c], sc));
+  }
+}
+
+// accumulate_values for n <= NG heads (a template per count, picked at run time).
+template <int DS, int NG>
+void accumulate_heads(int64_t n, const float* p, int64_t ls, const float* inv,
+                      const PagedSeq& seq, int64_t L, int64_t hk, int64_t D, int64_t d0,
+                      float* out, int64_t prefetch, int64_t hk0) {
+  if constexpr (NG > 1) {
+    if (n < NG) {
+      accumulate_heads<DS, NG - 1>(n, p, ls, inv, seq, L, hk, D, d0, out, prefetch, hk0);
+      return;
+    }
+  }
+  accumulate_values<DS, NG>(p, ls, inv, seq, L, hk, D, d0, out, prefetch, hk0);
+}
+
+template <int D>
+void attend_task(const float* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
+                 int64_t G, float scale, std::vector<float>& scratch, float* out) {
+  const int64_t ls = (L + kLanes - 1) / kLanes * kLanes, rows = nhk * G;
+  if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
+  float* s = scratch.data();
+  float* inv = s + rows * ls;
+  score_task<D>(q, seq, L, hk0, nhk, G, scale, s, ls);
+  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L, ls);
+  constexpr int DS = D < 8 * kLanes ? D : 8 * kLanes;  // at most 8 vectors a slice
+  constexpr int kHeads = vec::kAccumulators / (DS / kLanes);
+  constexpr int NG = kHeads < 1 ? 1 : kHeads;
+  for (int64_t h = 0; h < nhk; h++) {
+    const int64_t hk = hk0 + h;
+    for (int64_t d0 = 0; d0 < D; d0 += DS) {
+      for (int64_t g0 = 0; g0 < G; g0 += NG) {
+        const int64_t n = G - g0 < NG ? G - g0 : NG, r = h * G + g0;
+        const int64_t pf = h == 0 && d0 == 0 && g0 == 0 ? nhk * D * sizeof(float) : 0;
+        accumulate_heads<DS, NG>(n, s + r * ls, ls, inv + r, seq, L, hk, D, d0,
+                                 out + (hk * G + g0) * D, pf, hk0);
+      }
+    }
+  }
+}
+
+template <int D>
+void decode_attention(const float* q, int64_t q_stride, const float* kv, int64_t s_block,
+                      int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
+                      int64_t H, int64_t Hkv, int64_t block_size, float scale) {
+  const int64_t G = H / Hkv;
+  // All of a sequence's kv heads in one task when there are enough sequences to keep every
+  // thread busy (its KV then streams from memory once, in order); else one kv head a task.
+  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / heads_per_task;
+  const int shift = __builtin_ctzll(block_size);
+  // Longest sequences first, so the dynamic schedule ends evenly.
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; b++) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [seq_lens](int64_t a, int64_t c) { return seq_lens[a] > seq_lens[c]; });
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * tasks_per_seq; task++) {
+      const int64_t b = order[task / tasks_per_seq];
+      const PagedSeq seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
+      attend_task<D>(q + b * q_stride, seq, seq_lens[b], (task % tasks_per_seq) * heads_per_task,
+                     heads_per_task, G, scale, scratch, out + b * H * D);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
+// block_size must be a power of two (CacheConfig enforces it).
+int pd_decode_attention(const float* q, int64_t q_stride, const float* kv, int64_t s_block,
+                        int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
+                        int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
+                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+#define PD_DECODE(d)                                                                     \
+  case d:                                                                                \
+    decode_attention<d>(q, q_stride, kv, s_block, s_kv, s_tok, block_tables, max_blocks, \
+                        seq_lens, out, B, H, Hkv, block_size, scale);                    \
+    return 0;
+  switch (D) {
+    PD_DECODE(32)
+    PD_DECODE(64)
+    PD_DECODE(128)
+    PD_DECODE(256)
+    default: return -1;
+  }
+#undef PD_DECODE
+}
+
+// ---------------------------------------------------------------------------------------
+// Every decoder layer of a decode-only step in one call: the kernels above in the order
+// of the per-op path, on the same values, so the output is bit-identical to it; only the
+// ~9 Python round trips a layer are gone. Per layer: h = add_rms_norm(x, delta);
+// qkv = h Wqkv^T (+ b); rotary + KV write; attn = decode attention; o = attn Wo^T;
+// h = add_rms_norm(x, o); act = silu_mul(h Wgu^T); delta = act Wdown^T. x is the residual
+// stream (updated in place); the last layer's delta is written to delta_out.
+
+struct PdLayer {  // the bf16 library's layout; the four packed-weight pointers stay null
+  const float* input_norm;
+  const float* qkv;
+  const float* qkv_bias;  // may be null
+  const float* o;
+  const float* post_norm;
+  const float* gate_up;
+  const float* down;
+  float* kv;
+  const void* unused_packed[4];
+};
+
+int pd_decode_layers(const PdLayer* layers, int64_t num_layers, float* x, float* delta_out,
+                     int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t inter, float eps, float scale, const float* cos,
+                     const float* sin, const int64_t* positions, int64_t s_block,
+                     int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
+                     const int64_t* slot_offsets, const int64_t* block_tables,
+                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
+  if (D != 32 && D != 64 && D != 128 && D != 256) return -1;
+  const int64_t width = (H + 2 * Hkv) * D;
+  std::vector<float> h(T * hidden), qkv(T * width), attn(T * H * D), gu(T * 2 * inter),
+      act(T * inter), o(T * hidden);
+  for (int64_t l = 0; l < num_layers; l++) {
+    const PdLayer& w = layers[l];
+    pd_add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), T, hidden, eps);
+    pd_linear_small(h.data(), w.qkv, w.qkv_bias, qkv.data(), T, width, hidden);
+    pd_rotary_write_kv(qkv.data(), T, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
+                       s_tok, slot_blocks, slot_offsets);
+    pd_decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
+                        max_blocks, seq_lens, attn.data(), T, H, Hkv, D, block_size, scale);
+    pd_linear_small(attn.data(), w.o, nullptr, o.data(), T, hidden, H * D);
+    pd_add_rms_norm(x, o.data(), w.post_norm, h.data(), T, hidden, eps);
+    pd_linear_small(h.data(), w.gate_up, nullptr, gu.data(), T, 2 * inter, hidden);
+    pd_silu_mul(gu.data(), act.data(), T, inter);
+    pd_linear_small(act.data(), w.down, nullptr, delta_out, T, hidden, inter);
+  }
+  return 0;
+}
+
+}  // extern "C"
