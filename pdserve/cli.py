@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     asyncio.run(
         run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s,
-                   args.advertise_host)
+                   args.advertise_host, args.parent_pid)
     )  # fmt: skip
     return 0
 
@@ -126,8 +126,15 @@ def _proxy(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s,
         debug_between_legs_s=args.debug_delay_between_legs_s,
     )
-    asyncio.run(run_proxy(state, args.host, args.port))
+    asyncio.run(run_proxy(state, args.host, args.port, args.parent_pid))
     return 0
+
+
+def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--parent-pid", type=int, default=None,
+        help="drain and exit once this process is gone (launchers such as `pdserve up` set it)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
+    add_parent_pid_arg(srv)
     pd = srv.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--role", default="both", choices=["both", "prefill", "decode"],
@@ -189,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--prefill-timeout-s", type=float, default=300.0)
     prx.add_argument("--decode-timeout-s", type=float, default=300.0, help="per read")
     prx.add_argument("--health-interval-s", type=float, default=1.0)
+    add_parent_pid_arg(prx)
     prx.add_argument("--debug-delay-between-legs-s", type=float, default=0.0,
                      help=argparse.SUPPRESS)  # fmt: skip
     prx.set_defaults(func=_proxy)

@@ -21,6 +21,7 @@ model loads instead of a refused connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -33,6 +34,7 @@ from pdserve.api.server import ServerState, create_app
 from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import ServerShuttingDownError
+from pdserve.parent_watch import ParentWatch
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +97,10 @@ async def run_server(
     model_name: str,
     drain_timeout_s: float,
     advertise_host: str | None = None,
+    parent_pid: int | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM, drain, stop the engine process."""
+    """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone),
+    drain, stop the engine process."""
     kv = client.config.kv_transfer
     state = ServerState(client, api_key, model_name, kv.role, kv.cluster_secret)
     if kv.role == "prefill":
@@ -119,7 +123,10 @@ async def run_server(
     )  # fmt: skip
     server = _DrainingServer(config, state, drain_timeout_s)
     serving = asyncio.create_task(server.serve())
-    sweeper = None
+    sweeper = watcher = None
+    if parent_pid is not None:
+        stop = functools.partial(server.handle_exit, signal.SIGTERM, None)
+        watcher = asyncio.create_task(ParentWatch(parent_pid).stop_when_gone(stop, "node"))
     try:
         await client.start()
         if state.handoffs is not None:
@@ -131,8 +138,9 @@ async def run_server(
         state.draining = True
         server.should_exit = True
         await serving
-        if sweeper is not None:
-            sweeper.cancel()
+        for task in (sweeper, watcher):
+            if task is not None:
+                task.cancel()
         await client.shutdown()
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -49,20 +49,21 @@ def run(args: argparse.Namespace) -> int:
     env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
     if args.ucx_tls:
         env["UCX_TLS"] = args.ucx_tls
-    nodes = [launch([*common, *role], env) for role in
-             (["--role", "prefill"], ["--role", "decode"], [])]  # fmt: skip
-    try:
-        prefill, decode, single = (wait_healthy(n) for n in nodes)
-        results: dict[str, Any] = {"ttft": {}, "release_ms": {}}
-        for length in (int(x) for x in args.prompt_lens.split(",")):
-            results["ttft"][length] = _ttft(prefill, decode, single, length, args.repeat)
-        results["release_ms"] = _releases(prefill, decode, args.release_samples)
-        _print(results)
-        if args.json:
-            print(json.dumps(results))
-    finally:
-        for node in nodes:
-            stop(node)
+    nodes: list[Node] = []
+    with sigterm_as_interrupt():  # SIGTERM stops the nodes as Ctrl-C does
+        try:
+            for role in (["--role", "prefill"], ["--role", "decode"], []):
+                nodes.append(launch([*common, *role], env))
+            prefill, decode, single = (wait_healthy(n) for n in nodes)
+            results: dict[str, Any] = {"ttft": {}, "release_ms": {}}
+            for length in (int(x) for x in args.prompt_lens.split(",")):
+                results["ttft"][length] = _ttft(prefill, decode, single, length, args.repeat)
+            results["release_ms"] = _releases(prefill, decode, args.release_samples)
+            _print(results)
+            if args.json:
+                print(json.dumps(results))
+        finally:
+            stop_all(nodes)
     return 0
 
 

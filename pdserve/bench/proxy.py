@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.proxy.launch import free_port
+from pdserve.parent_watch import ParentWatch
+from pdserve.proxy.launch import free_port, launch, sigterm_as_interrupt
 
 BODY = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()
 
@@ -36,7 +38,7 @@ def add_parser(bench_sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-# -- the stub node (run as `python -m pdserve.bench.proxy stub PORT`) ------------------------
+# -- the stub node (run as `python -m pdserve.bench.proxy stub PORT PARENT_PID`) -------------
 
 _PREFILL_ANSWER = json.dumps({
     "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
@@ -121,13 +123,17 @@ def _stats(latencies: list[float], duration_s: float) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    with sigterm_as_interrupt():  # SIGTERM stops the stub and the proxy as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     stub_port, proxy_port = free_port(), free_port()
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
-    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port)])
+    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port),
+                             str(os.getpid())])  # fmt: skip
     url = f"http://127.0.0.1:{stub_port}"
-    proxy_cmd = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(proxy_port),
-                 "--prefill", url, "--decode", url]  # fmt: skip
-    proxy = subprocess.Popen(proxy_cmd, env=env)
+    proxy = launch(["--prefill", url, "--decode", url], {"PDSERVE_LOG_LEVEL": "WARNING"},
+                   port=proxy_port, command="proxy").process  # fmt: skip
     try:
         os.sched_setaffinity(proxy.pid, {args.proxy_cpu})
         others = set(range(os.cpu_count() or 1)) - {args.proxy_cpu} or {args.proxy_cpu}
@@ -181,7 +187,16 @@ def _print(results: dict[int, dict[str, Any]]) -> None:
               f"{p['rps']:.0f} |")  # fmt: skip
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["stub"]:
+async def _serve_stub(port: int, parent: ParentWatch) -> None:
     import uvicorn
 
-    uvicorn.run(stub_app, host="127.0.0.1", port=int(sys.argv[2]), log_level="error")
+    server = uvicorn.Server(uvicorn.Config(stub_app, host="127.0.0.1", port=port,
+                                           log_level="error"))  # fmt: skip
+    stop = functools.partial(setattr, server, "should_exit", True)
+    watcher = asyncio.create_task(parent.stop_when_gone(stop, "stub node"))
+    await server.serve()
+    watcher.cancel()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["stub"]:  # stub PORT PARENT_PID
+    asyncio.run(_serve_stub(int(sys.argv[2]), ParentWatch(int(sys.argv[3]))))

@@ -32,7 +32,14 @@ from pdserve.bench.serve import (
     wall_duration_s,
 )
 from pdserve.errors import ConfigError
-from pdserve.proxy.launch import Node, free_port, launch, stop, wait_healthy
+from pdserve.proxy.launch import (
+    Node,
+    free_port,
+    launch,
+    sigterm_as_interrupt,
+    stop,
+    wait_healthy,
+)
 
 SYSTEMS = ("pdserve", "vllm")
 MODEL_NAME = "bench-model"
@@ -48,15 +55,17 @@ def parse_systems(text: str) -> list[str]:
 
 
 def start_pdserve(args: argparse.Namespace) -> Node:
-    node = launch(
+    """The pdserve node, launched (not yet healthy)."""
+    return launch(
         ["--model", args.compare_model, "--dtype", args.dtype, "--served-model-name", MODEL_NAME,
          "--kv-cache-memory-gib", str(args.kv_cache_memory_gib)],
         env={"PDSERVE_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
-    return wait_healthy(node, timeout_s=300)
 
 
 def start_vllm(args: argparse.Namespace) -> Node:
+    """vLLM's OpenAI server, launched (not yet healthy). It does not watch this process:
+    a SIGKILL of the benchmark leaves it running."""
     from pdserve.bench.offline import hf_dir_for, vllm_env, vllm_python
 
     python = vllm_python()
@@ -68,13 +77,13 @@ def start_vllm(args: argparse.Namespace) -> Node:
            "--dtype", args.dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
            "--max-model-len", str(args.input_len + args.output_len + 16),
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    node = Node(f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env))
-    return wait_healthy(node, timeout_s=600)
+    return Node(f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env))
 
 
 def measure(system: str, args: argparse.Namespace, config: ServeBenchConfig) -> BenchSummary:
     node = start_vllm(args) if system == "vllm" else start_pdserve(args)
     try:
+        wait_healthy(node, timeout_s=600 if system == "vllm" else 300)
         config = dataclasses.replace(config, base_url=node.url, model=MODEL_NAME)
         warm = dataclasses.replace(config, num_prompts=1, concurrency=1, seed=config.seed + 1)
         asyncio.run(run_requests(warm))
@@ -85,6 +94,11 @@ def measure(system: str, args: argparse.Namespace, config: ServeBenchConfig) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    with sigterm_as_interrupt():  # SIGTERM stops the node being measured as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     systems = parse_systems(args.compare)
     config = ServeBenchConfig.from_args(args)  # no --url: each system's comes at its start
     results = {}

@@ -16,7 +16,6 @@ Life of the process:
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
 from typing import Any
@@ -36,6 +35,7 @@ from pdserve.engine.core_messages import (
 from pdserve.engine.engine import LLMEngine, user_request_id
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
+from pdserve.parent_watch import ParentWatch
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,12 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     inbox.connect(input_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(output_addr)
-    parent_pid = os.getppid()
+    parent = ParentWatch()
     try:
         engine = LLMEngine(config)
         outbox.send(pickle.dumps(_ready(engine)))
         try:
-            _loop(engine, inbox, outbox, parent_pid)
+            _loop(engine, inbox, outbox, parent)
         finally:
             engine.close()
     finally:
@@ -102,10 +102,10 @@ def _poll_ms(engine: LLMEngine) -> int:
     return TRANSFER_POLL_MS if sched.loading or sched.held else IDLE_POLL_MS
 
 
-def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent: ParentWatch) -> None:
     last_stats = None
     while True:
-        if os.getppid() != parent_pid:
+        if parent.parent_gone:
             # The API process died without a Shutdown (SIGKILL, crash). An orphaned engine
             # would keep pinning blocks and renewing leases: abort everything and exit.
             logger.error("the API process is gone: aborting all requests and exiting")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import error_response
+from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
 
@@ -183,10 +185,20 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def run_proxy(state: ProxyState, host: str, port: int) -> None:
+async def run_proxy(state: ProxyState, host: str, port: int, parent_pid: int | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone)."""
     config = uvicorn.Config(create_proxy_app(state), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=2)  # fmt: skip
     prefill = [b.url for b in state.prefill.backends]
     decode = [b.url for b in state.decode.backends]
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill, decode)
-    await uvicorn.Server(config).serve()
+    server = uvicorn.Server(config)
+    watcher = None
+    if parent_pid is not None:
+        stop = functools.partial(setattr, server, "should_exit", True)
+        watcher = asyncio.create_task(ParentWatch(parent_pid).stop_when_gone(stop, "proxy"))
+    try:
+        await server.serve()
+    finally:
+        if watcher is not None:
+            watcher.cancel()

@@ -2,6 +2,11 @@
 
 launch (returns at once) → wait_healthy (polls /health until 200, or the process dies)
 → … → stop (SIGTERM: the node drains and exits 0; SIGKILL after the timeout)
+
+A launched node never outlives its launcher. A launcher that is stopped (Ctrl-C, or
+SIGTERM inside `sigterm_as_interrupt`) stops its nodes in its `finally`; one that dies
+without a chance to (SIGKILL, a crash) leaves them watching its pid (`--parent-pid`,
+`pdserve/parent_watch.py`): each drains and exits on its own within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +51,29 @@ def launch(
     port: int | None = None,
     command: str = "serve",
 ) -> Node:
-    """`pdserve <command> --host H --port P <args>` in a subprocess; returns at once."""
+    """`pdserve <command> --host H --port P <args>` in a subprocess, tied to this process
+    (`--parent-pid`); returns at once."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "pdserve.cli", command, "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "pdserve.cli", command, "--host", host, "--port", str(port),
+           "--parent-pid", str(os.getpid())]  # fmt: skip
     process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})})
     return Node(f"http://{host}:{port}", process)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM takes Ctrl-C's path: KeyboardInterrupt, so the launcher's `finally`
+    stops its nodes. Python's default for SIGTERM ends the process on the spot (as
+    systemd, a container runtime, `kill PID` or a CI timeout would have it), and uvicorn
+    re-raises a SIGTERM it caught once it has shut down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wait_healthy(
@@ -83,6 +107,21 @@ def stop(node: Node, timeout_s: float = 30.0) -> int:
             node.process.kill()
             node.process.wait()
     return int(node.process.returncode)
+
+
+def stop_all(nodes: list[Node], timeout_s: float = 30.0) -> None:
+    """SIGTERM to every node at once (each drains), then wait for each as `stop` does. An
+    interrupt while waiting (a second Ctrl-C) SIGKILLs what is left."""
+    for node in nodes:
+        if node.process.poll() is None:
+            node.process.terminate()
+    try:
+        for node in nodes:
+            stop(node, timeout_s)
+    except KeyboardInterrupt:
+        for node in nodes:
+            kill(node)
+        raise
 
 
 def kill(node: Node) -> None:

@@ -2,7 +2,8 @@
 
 launch the prefill and decode nodes (subprocesses, loopback, free ports)
 → wait until every node is healthy → serve the proxy on --port (this process)
-→ Ctrl-C / SIGTERM: the proxy stops, then every node gets SIGTERM and drains
+→ Ctrl-C / SIGTERM: the proxy stops, then every node gets SIGTERM and drains (SIGKILL
+of this process: each node notices its parent gone, `--parent-pid`, and drains too)
 With --ask PROMPT: once up, send one chat request through the proxy, print the answer,
 and stop (what `make run` does).
 """
@@ -19,7 +20,7 @@ import httpx
 import uvicorn
 
 from pdserve.proxy.app import ProxyState, create_proxy_app
-from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.pool import BackendPool
 
 logger = logging.getLogger(__name__)
@@ -60,20 +61,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env = {**LOCAL_UCX_ENV, **{k: v for k, v in os.environ.items() if k in LOCAL_UCX_ENV}}
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
-    nodes = [launch(node_args(args, role), env) for role in roles]
-    try:
-        print(f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
-              f"with model {args.model} ...", flush=True)  # fmt: skip
-        for node in nodes:
-            wait_healthy(node)
-        listing = ", ".join(f"{role} {node.url}" for role, node in zip(roles, nodes, strict=True))
-        print(f"nodes: {listing}", flush=True)
-        return asyncio.run(_serve(args, nodes, roles))
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        for node in nodes:
-            stop(node)
+    nodes: list[Node] = []
+    with sigterm_as_interrupt():
+        try:
+            for role in roles:
+                nodes.append(launch(node_args(args, role), env))
+            print(f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
+                  f"with model {args.model} ...", flush=True)  # fmt: skip
+            for node in nodes:
+                wait_healthy(node)
+            listing = ", ".join(f"{r} {n.url}" for r, n in zip(roles, nodes, strict=True))
+            print(f"nodes: {listing}", flush=True)
+            return asyncio.run(_serve(args, nodes, roles))
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            stop_all(nodes)
 
 
 async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) -> int:

@@ -1,11 +1,17 @@
-"""`pdserve up --ask`, what `make run` runs: a whole local cluster on the default model."""
+"""`pdserve up`: `--ask`, what `make run` runs (a whole local cluster on the default model),
+and no node outliving it whichever signal stops it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,3 +35,68 @@ def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything() -> N
     for url in urls:  # every node was stopped
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid`, by pid, with its start time (a reused pid is not it)."""
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent:
+                    child = int(stat.parent.name)
+                    found[child] = fields[19]
+                    frontier.append(child)
+    return found
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == started
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=["sigterm", "sigint", "sigkill"])  # fmt: skip
+def test_no_node_outlives_pdserve_up(sig: signal.Signals, tiny_model_dir: Any) -> None:
+    """Only `pdserve up` gets the signal, as from systemd, `kill PID` or a CI timeout: its
+    nodes' API and engine processes all end too (SIGKILL: they notice their parent gone)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
+           "--model", str(tiny_model_dir("llama")), "--num-kv-blocks", "64"]  # fmt: skip
+    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
+    up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    tree: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(f"http://127.0.0.1:{port}"):
+            assert up.poll() is None and time.monotonic() < deadline, "pdserve up did not start"
+            time.sleep(0.2)
+        tree = _descendants(up.pid)
+        assert len(tree) >= 4, tree  # two nodes, each an API and an engine process
+        up.send_signal(sig)
+        up.wait(60)
+        deadline = time.monotonic() + 20
+        while survivors := [pid for pid, started in tree.items() if _alive(pid, started)]:
+            assert time.monotonic() < deadline, f"{sig.name}: still running: {survivors}"
+            time.sleep(0.1)
+        assert up.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
+    finally:
+        up.kill()
+        up.wait()
+        for pid, started in tree.items():
+            if _alive(pid, started):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

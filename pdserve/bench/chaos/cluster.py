@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.bench.chaos.netns import NamespaceBed
-from pdserve.proxy.launch import Node, NodeError, kill, launch, stop, wait_healthy
+from pdserve.proxy.launch import Node, NodeError, kill, launch, stop, stop_all, wait_healthy
 
 
 @dataclass
@@ -196,9 +196,4 @@ class LocalCluster(Cluster):
     def stop(self) -> None:
         """SIGTERM to every process at once (each drains), then wait for all."""
         super().stop()
-        nodes = self._processes + [s.node for s in self.slots if s.node is not None]
-        for node in nodes:
-            if node.process.poll() is None:
-                node.process.terminate()
-        for node in nodes:
-            stop(node, 30)
+        stop_all(self._processes + [s.node for s in self.slots if s.node is not None], 30)

@@ -152,7 +152,8 @@ class NamespaceBed:
         extra = ["--advertise-host", PREFILL_LINK_IP] if role == "prefill" else []
         port = port or free_port()
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", "serve",
-               "--host", "0.0.0.0", "--port", str(port), *args, *extra]  # fmt: skip
+               "--host", "0.0.0.0", "--port", str(port), "--parent-pid", str(os.getpid()),
+               *args, *extra]  # fmt: skip
         node_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {}),
                     "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}  # fmt: skip
         return Node(f"http://{host}:{port}", subprocess.Popen(cmd, env=node_env))

@@ -32,6 +32,7 @@ from pdserve.bench.chaos.cluster import Cluster, LocalCluster, Slot
 from pdserve.bench.chaos.netns import NamespaceBed, NamespaceUnavailable
 from pdserve.bench.chaos.report import headline, summary, write_report
 from pdserve.bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
+from pdserve.proxy.launch import sigterm_as_interrupt
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,11 @@ class ChaosRun:
 
 
 def run(args: argparse.Namespace) -> int:
+    with sigterm_as_interrupt():  # SIGTERM stops the local cluster as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per sample otherwise
     problem = _usage_problem(args)
     if problem:
