@@ -2,13 +2,16 @@
 
 Unknown fields are ignored (clients send many); known fields are type-checked by pydantic
 and range-checked by `SamplingParams`, so every bad value becomes a 400 with `param` set.
+Chat messages follow OpenAI's schema (`parse_message`); what pdserve does not serve (tool
+calling, structured output, non-text content) is refused with a 400, never ignored.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
@@ -88,21 +91,78 @@ class CompletionRequest(_SamplingFields):
         return p  # type: ignore[return-value]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+NO_TOOLS = "pdserve has no tool calling"
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise InvalidRequestError("only text content is supported", param="messages")
-                parts.append(str(part.get("text", "")))
-            return "".join(parts)
-        return self.content or ""
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat, checked against OpenAI's schema (`parse_message`): its text
+    joined from its parts, the role as the chat template knows it (`developer` is
+    `system`)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    def template_input(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def parse_message(raw: Any, index: int) -> ChatMessage:
+    """One element of `messages`; every refusal is a 400 naming the parameter as OpenAI
+    does (`messages[0].content`). Fields of tool calling are refused, not ignored: pdserve
+    would answer as if the tools did not exist."""
+    where = f"messages[{index}]"
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(f"{where} must be an object with a role and content", param=where)
+    role = raw.get("role")
+    if role is None:
+        raise InvalidRequestError(f"missing required parameter {where}.role", param=f"{where}.role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
+                                  param=f"{where}.role")  # fmt: skip
+    if role == "tool":
+        raise InvalidRequestError(f"{where}: tool messages are not supported: {NO_TOOLS}",
+                                  param=f"{where}.role")  # fmt: skip
+    for field in ("tool_calls", "function_call"):
+        if raw.get(field) not in (None, []):
+            raise InvalidRequestError(f"{where}.{field} is not supported: {NO_TOOLS}",
+                                      param=f"{where}.{field}")  # fmt: skip
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name")
+    content = _message_text(raw.get("content"), f"{where}.content", role == "assistant")
+    return ChatMessage("system" if role == "developer" else role, content, name)
+
+
+def _message_text(content: Any, where: str, assistant: bool) -> str:
+    """A message's `content`: a string, or a non-empty list of text parts (an assistant's
+    may also hold refusal parts), joined."""
+    if content is None:
+        raise InvalidRequestError(f"missing required parameter {where} (a string or a list "
+                                  "of text parts)", param=where)  # fmt: skip
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise InvalidRequestError(f"{where} must be a string or a non-empty list of text parts",
+                                  param=where)  # fmt: skip
+    texts = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = "refusal" if kind == "refusal" and assistant else "text"
+        if kind != field:
+            raise InvalidRequestError(f"{at}.type must be 'text' (this server reads text only); "
+                                      f"got {kind!r}", param=f"{at}.type")  # fmt: skip
+        text = part.get(field)
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{at}.{field} must be a string", param=f"{at}.{field}")
+        texts.append(text)
+    return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -110,7 +170,35 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _parse_messages(cls, raw: Any) -> Any:
+        # InvalidRequestError is not a ValueError: pydantic lets it through as it is.
+        if not isinstance(raw, list):
+            return raw  # pydantic's own 400: messages must be a list
+        return [parse_message(m, i) for i, m in enumerate(raw)]
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_served(self) -> ChatCompletionRequest:
+        for field, allowed in (("tools", (None, [])), ("functions", (None, [])),
+                               ("tool_choice", (None, "none")),
+                               ("function_call", (None, "none"))):  # fmt: skip
+            if getattr(self, field) not in allowed:
+                message = f"parameter {field} is not supported: {NO_TOOLS}"
+                raise InvalidRequestError(message, param=field)
+        if self.response_format not in (None, {"type": "text"}):
+            raise InvalidRequestError(
+                "response_format is not supported: pdserve has no structured output "
+                '(json_object, json_schema); only {"type": "text"}',
+                param="response_format",
+            )
+        return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        return [m.template_input() for m in self.messages]

@@ -18,8 +18,20 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
-def test_models(client: openai.OpenAI) -> None:
+def test_models(client: openai.OpenAI, server: Server) -> None:
     assert [m.id for m in client.models.list().data] == ["default"]
+    import torch
+
+    from pdserve.model import cpu_isa, cpu_kernels
+
+    build = cpu_kernels.build_for(torch.float32, cpu_isa.effective())
+    unavailable = build is None or cpu_kernels.unavailable_reason(torch.float32)
+    card = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    compute = card.json()["data"][0]["compute"]
+    assert compute["dtype"] == "float32" and compute["dtype_reason"] == "asked"
+    assert compute["device"] == "cpu" and compute["cpu_level"] == cpu_isa.describe()
+    assert compute["ops"] == ("torch" if unavailable else f"cpu-kernels ({build.isa.label})")
+    assert kv_counters(server)["compute"] == compute
 
 
 def test_completion_greedy_equals_offline_engine(client: openai.OpenAI, smollm2_llm: Any) -> None:
@@ -114,6 +126,13 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hi"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _chat(*messages: Any, **extra: Any) -> dict[str, Any]:
+    return {"messages": list(messages), **extra}
 
 
 @pytest.mark.parametrize(
@@ -136,12 +155,53 @@ HELLO = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
         (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p"),
         (CHAT, {"messages": HELLO, "stream": True, "max_tokens": 10**6}, 400, "max_tokens"),
+        (CHAT, _chat({"role": "user"}), 400, "messages[0].content"),
+        (CHAT, _chat(HELLO[0], {"role": "assistant"}), 400, "messages[1].content"),
+        (CHAT, _chat({"role": "system", "content": None}), 400, "messages[0].content"),
+        (CHAT, _chat({"content": "hi"}), 400, "messages[0].role"),
+        (CHAT, _chat("hi"), 400, "messages[0]"),
+        (CHAT, _chat({"role": "user", "content": 5}), 400, "messages[0].content"),
+        (CHAT, _chat({"role": "user", "content": []}), 400, "messages[0].content"),
+        (CHAT, _chat({"role": "user", "content": [IMAGE]}), 400, "messages[0].content[0].type"),
+        (CHAT, _chat({"role": "user", "content": [{"type": "text"}]}), 400,
+         "messages[0].content[0].text"),
+        (CHAT, _chat({**HELLO[0], "name": 5}), 400, "messages[0].name"),
+        (CHAT, _chat({"role": "tool", "content": "42", "tool_call_id": "c1"}), 400,
+         "messages[0].role"),
+        (CHAT, _chat(HELLO[0], {"role": "assistant", "tool_calls": [CALL]}), 400,
+         "messages[1].tool_calls"),
+        (CHAT, _chat(HELLO[0], tools=[TOOL]), 400, "tools"),
+        (CHAT, _chat(HELLO[0], tool_choice="auto"), 400, "tool_choice"),
+        (CHAT, _chat(HELLO[0], functions=[TOOL["function"]]), 400, "functions"),
+        (CHAT, _chat(HELLO[0], response_format={"type": "json_object"}), 400, "response_format"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_a_4xx_in_openai_schema(
     server: Server, path: str, body: Any, status: int, param: str | None
 ) -> None:
     _assert_error(_post(server, path, body), status, param)
+
+
+def test_chat_takes_openai_message_shapes(client: openai.OpenAI) -> None:
+    """Text parts, `developer`, `name`, an assistant's refusal part and the no-op tool
+    fields are accepted; parts read as the joined string would."""
+
+    def greedy(messages: list[dict[str, Any]], **extra: Any) -> str:
+        answer = client.chat.completions.create(model="default", messages=messages,
+                                                max_tokens=8, temperature=0, **extra)  # fmt: skip
+        return str(answer.choices[0].message.content)
+
+    plain = greedy([{"role": "system", "content": "Be brief."}, {"role": "user",
+                    "content": "Name a colour."}])  # fmt: skip
+    parts = greedy(
+        [{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                           {"type": "text", "text": "brief."}]},
+         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Name a colour."}]}],
+        tool_choice="none", tools=[], response_format={"type": "text"},
+    )  # fmt: skip
+    assert parts == plain
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+    assert greedy([HELLO[0], refusal, {"role": "user", "content": "Why?"}])
 
 
 def test_huge_body_is_413(server: Server) -> None:
