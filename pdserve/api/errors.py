@@ -11,6 +11,14 @@ from starlette.responses import JSONResponse
 
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
 
+MAX_BODY_BYTES = 4 << 20
+"""Largest completion body a node or the proxy reads."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting a body may have. OpenAI bodies nest a few levels (a chat message's
+content part is 5 deep). Python's json module gives up with a RecursionError near 1,000
+levels, and whatever walks a body afterwards (validation, the proxy's json.dumps of a leg)
+would have to survive any depth: a bound well under both keeps every body a 400."""
+
 
 def error_body(e: PdserveError) -> dict[str, dict[str, object]]:
     """The schema's body for an error (also sent as the last event of a broken stream)."""
@@ -53,10 +61,32 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     except ClientDisconnect as e:  # gone before its body arrived: nothing to answer
         raise StatusError("client closed the request", status=499,
                           error_type="client_closed_request") from e  # fmt: skip
+    return parse_json_object(bytes(body))
+
+
+def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A body that must be a JSON object nested at most `max_depth` levels (400 otherwise)."""
+    too_deep = InvalidRequestError(f"body is nested deeper than {max_depth} levels")
     try:
-        data = json.loads(body)
+        data = json.loads(raw)
+    except RecursionError as e:
+        raise too_deep from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise InvalidRequestError("body must be a JSON object")
+    if json_depth(data, max_depth + 1) > max_depth:
+        raise too_deep
     return data
+
+
+def json_depth(value: Any, stop_at: int | None = None) -> int:
+    """How deep a parsed JSON value nests (a scalar 0, `{}` or `[]` 1), level by level
+    rather than by recursion; counting stops at `stop_at`."""
+    depth = 0
+    containers = [value] if isinstance(value, (dict, list)) else []
+    while containers and (stop_at is None or depth < stop_at):
+        depth += 1
+        children = (c for v in containers for c in (v.values() if isinstance(v, dict) else v))
+        containers = [c for c in children if isinstance(c, (dict, list))]
+    return depth

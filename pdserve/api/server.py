@@ -42,7 +42,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.auth import bearer_matches
 from pdserve.api.disagg_routes import disagg_routes
-from pdserve.api.errors import error_body, error_response, from_exception, read_json
+from pdserve.api.errors import (
+    MAX_BODY_BYTES,
+    error_body,
+    error_response,
+    from_exception,
+    read_json,
+)
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
@@ -61,7 +67,6 @@ from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 << 20
 OPEN_PATHS = ("/health", "/metrics")
 SELF_AUTHENTICATED_PATHS = ("/v1/abort_requests",)
 """Admin key or a release token, checked by the route (`disagg_routes`)."""

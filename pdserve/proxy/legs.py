@@ -45,10 +45,11 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.errors import error_response
+from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
+from pdserve.errors import PdserveError
 from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -156,16 +157,12 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
+    """The client's body as a node would read it (size, JSON, nesting: 413/400), or a 499
+    when the client left before it arrived (found by `bench chaos`)."""
     try:
-        raw = await request.body()
-    except ClientDisconnect:  # gone before its body arrived (found by `bench chaos`)
-        return Response(status_code=499)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return error_response(400, f"body is not valid JSON: {e}", "invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(400, "body must be a JSON object", "invalid_request_error")
+        body = await read_json(request, MAX_BODY_BYTES)
+    except PdserveError as e:
+        return Response(status_code=499) if e.http_status == 499 else from_exception(e)
     if body.get("n") not in (None, 1):
         return error_response(400, "n > 1 is not supported through the P/D proxy",
                               "invalid_request_error", param="n")  # fmt: skip

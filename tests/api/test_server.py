@@ -126,6 +126,8 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hi"}]
+NESTED = b'{"a":' * 5000 + b"1" + b"}" * 5000
+"""5,000 nested objects: Python's json gives up at ~1,000 levels (a 500 before the cap)."""
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -155,6 +157,9 @@ def _chat(*messages: Any, **extra: Any) -> dict[str, Any]:
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
         (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p"),
         (CHAT, {"messages": HELLO, "stream": True, "max_tokens": 10**6}, 400, "max_tokens"),
+        (COMPLETIONS, NESTED, 400, None),
+        (CHAT, NESTED, 400, None),
+        ("/v1/abort_requests", NESTED, 400, None),
         (CHAT, _chat({"role": "user"}), 400, "messages[0].content"),
         (CHAT, _chat(HELLO[0], {"role": "assistant"}), 400, "messages[1].content"),
         (CHAT, _chat({"role": "system", "content": None}), 400, "messages[0].content"),

@@ -100,6 +100,15 @@ def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_f
     assert post(proxy, "/v1/completions", {**body, "n": 2}).status_code == 400
     raw = httpx.post(f"{proxy.url}/v1/completions", content=b"{x", headers=HEADERS, timeout=10)
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    nested = b'{"a":' * 5000 + b"1" + b"}" * 5000  # a 500 before the depth cap
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        deep = httpx.post(f"{proxy.url}{path}", content=nested, headers=HEADERS, timeout=10)
+        assert deep.status_code == 400, deep.text
+        assert set(deep.json()["error"]) == {"message", "type", "param", "code"}
+        assert "nested deeper" in deep.json()["error"]["message"]
+    huge = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * (5 << 20), headers=HEADERS,
+                      timeout=30)  # fmt: skip
+    assert huge.status_code == 413
     assert httpx.get(f"{proxy.url}/health", timeout=5).json()["num_decode_up"] == 1
     models = httpx.get(f"{proxy.url}/v1/models", headers=HEADERS, timeout=5).json()
     assert models["data"][0]["id"] == str(cluster.model)
