@@ -28,7 +28,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -139,6 +139,11 @@ class ServerState:
                            remote.ref.handoff_id, e)  # fmt: skip
 
 
+def _compute(state: ServerState) -> dict[str, str | None] | None:
+    compute = state.client.compute
+    return None if compute is None else asdict(compute)
+
+
 def create_app(state: ServerState) -> Starlette:
     async def completions(request: Request) -> Response:
         return await _serve(state, request, CompletionRequest, chat=False)
@@ -148,7 +153,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def models(request: Request) -> Response:
         card = {"id": state.model_name, "object": "model", "created": int(state.started_s),
-                "owned_by": "pdserve", "max_model_len": state.client.max_model_len}  # fmt: skip
+                "owned_by": "pdserve", "max_model_len": state.client.max_model_len,
+                "compute": _compute(state)}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
@@ -167,7 +173,7 @@ def create_app(state: ServerState) -> Starlette:
         s = state.client.stats
         handoffs = state.handoffs.snapshot() if state.handoffs else []
         return JSONResponse({
-            "role": state.role,
+            "role": state.role, "compute": _compute(state),
             "num_blocks": s.num_blocks, "num_free_blocks": s.num_free_blocks,
             "num_held_blocks": s.num_held_blocks, "num_running": s.num_running,
             "num_waiting": s.num_waiting, "num_loading": s.num_loading,

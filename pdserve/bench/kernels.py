@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from pdserve.model import huge_pages
 
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("kernels", help="fused CPU kernels vs. the PyTorch ops they replace")
     p.add_argument("--model", default="default")

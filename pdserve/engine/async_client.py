@@ -30,6 +30,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
+    ComputeInfo,
     EngineStats,
     Ready,
     RequestError,
@@ -63,6 +64,8 @@ class AsyncEngineClient:
         self.config = config
         self.model_name = config.model.model
         self.max_model_len = 0
+        self.compute: ComputeInfo | None = None
+        """What the engine computes with (dtype and why, kernels, CPU level)."""
         self.stats = EngineStats()
         self._queues: dict[str, asyncio.Queue[RequestOutput | RequestError]] = {}
         self._abort_errors: dict[str, PdserveError] = {}
@@ -101,6 +104,7 @@ class AsyncEngineClient:
             ready.stats,
         )
         self.kv_layout, self.kv_transport = ready.kv_layout, ready.kv_transport
+        self.compute = ready.compute
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _wait_ready(self) -> Ready:

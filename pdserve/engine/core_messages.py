@@ -58,6 +58,19 @@ class RequestError:
 
 
 @dataclass(frozen=True)
+class ComputeInfo:
+    """What the model computes with, and why: reported by /v1/models and /admin/kv."""
+
+    dtype: str
+    dtype_reason: str
+    device: str
+    ops: str
+    """The backend that runs the hot operations, with its CPU level (`cpu-kernels (avx2)`)."""
+    cpu_level: str | None
+    """The CPU level in use and where it came from; None on a GPU."""
+
+
+@dataclass(frozen=True)
 class Ready:
     model_name: str
     max_model_len: int
@@ -66,6 +79,7 @@ class Ready:
     """P/D nodes: the `KVLayout` peers must match."""
     kv_transport: Any = None
     """Prefill nodes: the `TransportInfo` decode nodes read from."""
+    compute: ComputeInfo | None = None
 
 
 @dataclass(frozen=True)

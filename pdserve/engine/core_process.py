@@ -90,7 +90,8 @@ def _ready(engine: LLMEngine) -> Ready:
         layout = kv_layout(engine.loaded, engine.runner.kv_cache, cache.block_size)
         transport = engine.connector.transport.info()  # type: ignore[attr-defined]
     name = engine.config.model.model
-    return Ready(name, engine.max_model_len, engine_stats(engine), layout, transport)
+    return Ready(name, engine.max_model_len, engine_stats(engine), layout, transport,
+                 engine.runner.compute)  # fmt: skip
 
 
 def _poll_ms(engine: LLMEngine) -> int:

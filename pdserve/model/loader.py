@@ -38,6 +38,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    dtype_reason: str = "asked"
+    """Why this dtype (`choose_dtype`): shown in /v1/models and /admin/kv."""
 
 
 def default_model_path() -> Path:
@@ -68,32 +70,43 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on a GPU and on a CPU that computes bf16 natively (AVX512-BF16, AMX,
-    Arm's bf16), float32 on every other CPU. Elsewhere bf16 is emulated: about 3x slower
-    than float32 on an AVX2 machine, and its different rounding flipped a near-tied
-    greedy token of the default model ("L'Étoile" for "Paris"). The choice and its reason
-    are logged once."""
-    native = cpu_isa.native_bf16() if device.type == "cpu" else True
-    where = f"cpu (level {cpu_isa.effective().label})" if device.type == "cpu" else device.type
+def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype `name` means on `device`, and why. `auto`: bf16 on a GPU and on a CPU that
+    computes bf16 natively (AVX512-BF16, AMX, Arm's bf16), float32 on every other CPU.
+    Elsewhere bf16 is emulated: about 3x slower than float32 on an AVX2 machine, and its
+    different rounding flipped a near-tied greedy token of the default model ("L'Étoile"
+    for "Paris")."""
+    if device.type != "cpu":
+        return (torch.bfloat16, "auto on a GPU") if name == "auto" else (_DTYPES[name], "asked")
+    level = cpu_isa.describe()
+    native = cpu_isa.native_bf16()
     if name != "auto":
         dtype = _DTYPES[name]
         if dtype == torch.bfloat16 and not native:
-            logger.warning(
-                "dtype bfloat16 on %s: this CPU has no native bf16, so bf16 is emulated: "
-                "slower than float32 and less accurate (--dtype auto picks float32 here)",
-                where,
-            )
-        return dtype
-    dtype = torch.bfloat16 if native else torch.float32
-    reason = "native bf16" if native else "no native bf16 (bf16 would be emulated)"
-    logger.info("dtype auto -> %s on %s: %s", str(dtype).removeprefix("torch."), where, reason)
+            return dtype, f"asked; the CPU (level {level}) emulates bf16: slow and less accurate"
+        return dtype, "asked"
+    if native:
+        return torch.bfloat16, f"auto: the CPU (level {level}) computes bf16 natively"
+    return torch.float32, f"auto: the CPU (level {level}) has no native bf16"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`choose_dtype`, with the choice logged."""
+    dtype, reason = choose_dtype(name, device)
+    _log_dtype(dtype, reason, device)
     return dtype
+
+
+def _log_dtype(dtype: torch.dtype, reason: str, device: torch.device) -> None:
+    emulated = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_isa.native_bf16()
+    log = logger.warning if emulated else logger.info
+    log("dtype %s: %s", str(dtype).removeprefix("torch."), reason)
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype, dtype_reason = choose_dtype(cfg.dtype, device)
+    _log_dtype(dtype, dtype_reason, device)
     path = resolve_model_path(cfg.model)
     expected = {"gguf": False, "safetensors": True}.get(cfg.load_format)
     if expected is not None and path.is_dir() != expected:
@@ -125,7 +138,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         dtype,
         device,
     )
-    return LoadedModel(model, arch, tokenizer, dtype, device, max_len)
+    return LoadedModel(model, arch, tokenizer, dtype, device, max_len, dtype_reason)
 
 
 def resolve_model_path(model: str) -> Path:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.core_messages import ComputeInfo
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.model import huge_pages
+from pdserve.model import cpu_isa, huge_pages
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -74,6 +75,13 @@ class ModelRunner:
         self.model = loaded.model
         self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch)
         logger.info("model ops: %s", self.ops.label)
+        self.compute = ComputeInfo(
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype_reason=loaded.dtype_reason,
+            device=str(loaded.device),
+            ops=self.ops.label,
+            cpu_level=cpu_isa.describe() if loaded.device.type == "cpu" else None,
+        )
         self.device = loaded.device
         self.block_size = block_size
         a = loaded.arch
