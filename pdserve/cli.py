@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     asyncio.run(
         run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s,
-                   args.advertise_host, args.parent_pid)
+                   args.advertise_host, args.parent_pid, args.debug_step_delay_s)
     )  # fmt: skip
     return 0
 
@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    srv.add_argument("--debug-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_parent_pid_arg(srv)
     pd = srv.add_argument_group("prefill/decode disaggregation")
@@ -195,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
     prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
     prx.add_argument("--prefill-timeout-s", type=float, default=300.0)
-    prx.add_argument("--decode-timeout-s", type=float, default=300.0, help="per read")
+    prx.add_argument("--decode-timeout-s", type=float, default=300.0,
+                     help="longest silence of a decode leg (until its first token, then between "
+                          "tokens); an answer that keeps coming is never cut")  # fmt: skip
     prx.add_argument("--health-interval-s", type=float, default=1.0)
     add_parent_pid_arg(prx)
     prx.add_argument("--debug-delay-between-legs-s", type=float, default=0.0,

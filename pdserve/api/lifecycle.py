@@ -98,11 +98,13 @@ async def run_server(
     drain_timeout_s: float,
     advertise_host: str | None = None,
     parent_pid: int | None = None,
+    debug_step_delay_s: float = 0.0,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone),
     drain, stop the engine process."""
     kv = client.config.kv_transfer
     state = ServerState(client, api_key, model_name, kv.role, kv.cluster_secret)
+    state.debug_step_delay_s = debug_step_delay_s
     if kv.role == "prefill":
         metrics = state.metrics
         observer = ReleaseObserver(

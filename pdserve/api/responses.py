@@ -27,6 +27,9 @@ class ChoiceBuilder:
     return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _roles_sent: set[int] = field(default_factory=set)
+    _num_tokens_sent: dict[int, int] = field(default_factory=dict)
+    """Per choice: tokens whose ids and logprobs went out in a chunk."""
+    _prompt_sent: bool = False
     _last: RequestOutput | None = None
 
     @classmethod
@@ -88,17 +91,22 @@ class ChoiceBuilder:
         return choice
 
     def stream_chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """Chunks for what changed in this output (one per choice with news)."""
+        """Chunks for what changed in this output (one per choice with news). Joined, they
+        carry what `full_response` would: a token whose step added no text (a UTF-8
+        character not complete yet, text held back by a stop string) has its id and
+        logprobs sent with the next chunk of its choice, and `prompt_token_ids` comes
+        with the first chunk (the proxy assembles non-streaming answers from streams)."""
         self._last = output
         chunks = []
         for c in output.outputs:
-            news = c.delta_text or (self.return_token_ids and c.delta_token_ids)
+            num_sent = self._num_tokens_sent.get(c.index, 0)
+            new_ids = c.token_ids[num_sent:]
+            news = c.delta_text or (self.return_token_ids and new_ids)
             if not (news or c.finished or (self.chat and c.index not in self._roles_sent)):
                 continue
+            self._num_tokens_sent[c.index] = len(c.token_ids)
+            new_logprobs = c.logprobs[num_sent:] if c.logprobs is not None and new_ids else None
             choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
-            new_logprobs = (
-                c.logprobs[-len(c.delta_token_ids) :] if c.logprobs and c.delta_token_ids else None
-            )
             if self.chat:
                 delta: dict[str, Any] = {"content": c.delta_text}
                 if c.index not in self._roles_sent:
@@ -109,9 +117,14 @@ class ChoiceBuilder:
             else:
                 choice["text"] = c.delta_text
                 choice["logprobs"] = _completion_logprobs(new_logprobs)
+                choice["stop_reason"] = c.stop_reason
             if self.return_token_ids:
-                choice["token_ids"] = list(c.delta_token_ids)
-            chunks.append(self._envelope([choice], chunk=True))
+                choice["token_ids"] = list(new_ids)
+            chunk = self._envelope([choice], chunk=True)
+            if self.return_token_ids and not self._prompt_sent:
+                chunk["prompt_token_ids"] = list(output.prompt_token_ids)
+                self._prompt_sent = True
+            chunks.append(chunk)
         return chunks
 
     def usage_chunk(self) -> dict[str, Any] | None:

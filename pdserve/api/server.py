@@ -123,6 +123,8 @@ class ServerState:
         self.num_inflight = 0
         """HTTP requests whose handling (streams included) has not ended."""
         self.started_s = time.time()
+        self.debug_step_delay_s = 0.0
+        """Testing only: a pause before each engine output is used (a slow decode)."""
         self.metrics = MetricsRecorder(model_name)
         client.on_transfers = self.metrics.record_transfers
 
@@ -351,6 +353,8 @@ async def _generate(
                 request_id, builder.params, **_engine_inputs(body, chat), kv_transfer=kv
             )
         )
+        if state.debug_step_delay_s:
+            outputs = _paced(outputs, state.debug_step_delay_s)
         first = await _first_or_disconnect(request, outputs)
     except PdserveError as e:
         admitted = isinstance(e, RequestAbortedError) or e.error_type == "kv_transfer_error"
@@ -422,6 +426,18 @@ async def _serve_prefill_leg(
     if await service.commit(handoff, final):
         answer["kv_transfer_params"] = service.transfer_params(handoff, final).model_dump()
     return JSONResponse(answer)
+
+
+async def _paced(
+    outputs: AsyncIterator[RequestOutput], delay_s: float
+) -> AsyncIterator[RequestOutput]:
+    """`outputs`, each one `delay_s` late (`--debug-step-delay-s`); closing it closes them."""
+    try:
+        async for output in outputs:
+            await asyncio.sleep(delay_s)
+            yield output
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

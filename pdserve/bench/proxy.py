@@ -54,6 +54,18 @@ _DECODE_ANSWER = json.dumps({
     "choices": [{"index": 0, "text": " a b c d e f g h", "finish_reason": "length"}],
     "usage": {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12},
 }).encode()  # fmt: skip
+_STUB_HEAD = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub"}
+_DECODE_STREAM = b"".join(
+    b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    for chunk in (
+        *({**_STUB_HEAD, "choices": [{"index": 0, "text": f" {w}", "finish_reason": None}]}
+          for w in "abcdefg"),
+        {**_STUB_HEAD, "choices": [{"index": 0, "text": " h", "finish_reason": "length"}]},
+        {**_STUB_HEAD, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 8,
+                                                "total_tokens": 12}},
+    )
+) + b"data: [DONE]\n\n"  # fmt: skip
+"""The decode answer as the stream the proxy asks every decode leg for."""
 
 
 async def stub_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -65,11 +77,16 @@ async def stub_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    answer = _PREFILL_ANSWER if b"do_remote_decode" in body else _DECODE_ANSWER
     if scope["path"] == "/health":
-        answer = b'{"status": "ok"}'
+        answer, kind = b'{"status": "ok"}', b"application/json"
+    elif b'"do_remote_decode": true' in body:  # a prefill leg (a decode leg's says false)
+        answer, kind = _PREFILL_ANSWER, b"application/json"
+    elif b'"stream": true' in body:  # every decode leg the proxy sends
+        answer, kind = _DECODE_STREAM, b"text/event-stream"
+    else:
+        answer, kind = _DECODE_ANSWER, b"application/json"
     headers = [
-        (b"content-type", b"application/json"),
+        (b"content-type", kind),
         (b"content-length", str(len(answer)).encode()),
     ]
     await send({"type": "http.response.start", "status": 200, "headers": headers})

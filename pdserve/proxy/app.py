@@ -70,7 +70,8 @@ class ProxyState:
     prefill_timeout_s: float = 300.0
     """The whole prefill leg."""
     decode_timeout_s: float = 300.0
-    """Connecting, the answer's head, and each read of its body."""
+    """The longest silence of a decode leg: connecting, until its first token, and between
+    two chunks of its stream (every leg streams). Never a bound on the answer's length."""
     health_interval_s: float = 1.0
     debug_between_legs_s: float = 0.0
     """Testing only: a pause between the legs, to open window S3 wide enough to hit."""

@@ -127,11 +127,18 @@ def stop_all(nodes: list[Node], timeout_s: float = 30.0) -> None:
 def kill(node: Node) -> None:
     """SIGKILL the whole node, its API process and its engine process, as when the machine
     dies (killing only the API process would leave the engine to notice and clean up)."""
+    signal_whole(node, signal.SIGKILL)
+    node.process.wait()
+
+
+def signal_whole(node: Node, sig: signal.Signals) -> None:
+    """Send `sig` to the node's engine process and its API process (SIGSTOP / SIGCONT
+    freeze and thaw the whole node)."""
     for pid in _children(node.process.pid):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    node.process.kill()
-    node.process.wait()
+            os.kill(pid, sig)
+    if node.process.poll() is None:
+        node.process.send_signal(sig)
 
 
 def _children(pid: int) -> list[int]:

@@ -9,10 +9,12 @@ pair can end. The proxy is the only component that sees the client between the l
             prefill node (S17/S19), as after a 5xx or an unreachable node
         4xx → the same error to the client
     client gone now → release the handoff with its release token (S3)
-    decode leg on the least loaded decode node, with the prefill answer's kv_transfer_params
+    decode leg on the least loaded decode node, with the prefill answer's kv_transfer_params,
+    always streamed (a non-streaming client's answer is assembled from the stream, so the
+    decode timeout bounds the silence between tokens, not the answer's length)
         unreachable → another decode node (the handoff is still held), else release + 503
-        any other failure (an error status, a broken stream) → release + the same error;
-            the status is checked before a streaming 200 is committed
+        any other failure (an error status, a broken or silent stream) → release + the same
+            error (504 for silence); the status is checked before a streaming 200 is committed
         client gone → close the decode leg (the decode node releases or frees: S5/S7) and
             release (a no-op if the decode node already read the blocks)
     answer: the decode node's, with usage = prompt and cached tokens of the prefill leg +
@@ -50,6 +52,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
 from pdserve.errors import PdserveError
+from pdserve.proxy.assembler import StreamAssembler
 from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -234,7 +237,10 @@ async def _decode_leg(
     answer: dict[str, Any],
 ) -> Response:
     kv = answer["kv_transfer_params"]
-    payload = json.dumps({**body, "kv_transfer_params": kv}).encode()
+    leg = {**body, "kv_transfer_params": kv}
+    if not body.get("stream"):  # read as a stream all the same: see `_decode_answer`
+        leg.update(stream=True, stream_options={"include_usage": True})
+    payload = json.dumps(leg).encode()
     prefill_usage = answer.get("usage") or {}
     client.stage = Stage.DECODE
     for backend in _attempts(state, state.decode):
@@ -263,7 +269,7 @@ async def _decode_leg(
                               started),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
-        return await _decode_answer(state, client, backend, response, prefill_usage, started)
+        return await _decode_answer(state, client, backend, response, prefill, answer, started)
     await release_handoff(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
     return error_response(503, "no decode node is available", "service_unavailable")
@@ -288,23 +294,59 @@ async def _decode_refused(
 
 async def _decode_answer(
     state: ProxyState, client: _Client, backend: Backend, response: UpstreamResponse,
-    prefill_usage: dict[str, Any], started: float,
+    prefill: Backend, prefill_answer: dict[str, Any], started: float,
 ) -> Response:  # fmt: skip
+    """A non-streaming client's answer, assembled from the decode leg's stream: the
+    decode timeout then bounds the silence between tokens, so a long answer that keeps
+    coming is never cut, and a node that stops producing is (504). A leg that failed,
+    stalled or broke releases its handoff: the node may never get to (a no-op once read)."""
     client.stage = Stage.ANSWER
     try:
-        content = await client.unless_gone(response.read())
+        data = await client.unless_gone(_read_answer(response))
     except UpstreamError as e:
+        await release_handoff(state, prefill, prefill_answer["kv_transfer_params"])
         state.metrics.requests.labels("upstream_error").inc()
         return _upstream_failure(backend, e)
     finally:
         response.close()
         backend.num_outstanding -= 1
     state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
-    data = json.loads(content)
-    if isinstance(data, dict) and isinstance(data.get("usage"), dict):
-        data["usage"] = merge_usage(prefill_usage, data["usage"])
+    if isinstance(data, StreamAssembler):  # the node gave up mid-stream (drain, operator)
+        state.metrics.requests.labels("upstream_error").inc()
+        return _stream_error(data.error or {})
+    if isinstance(data.get("usage"), dict):
+        data["usage"] = merge_usage(prefill_answer.get("usage") or {}, data["usage"])
     state.metrics.requests.labels("ok").inc()
     return JSONResponse(data)
+
+
+async def _read_answer(response: UpstreamResponse) -> dict[str, Any] | StreamAssembler:
+    """The answer from an SSE body (the assembler itself if an error event ended it), or
+    from one JSON body (a node that does not stream); UpstreamError if neither parses."""
+    if not response.headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+        return _json_object(await response.read(), response)
+    assembler = StreamAssembler()
+    async for line in response.iter_lines():  # to the end: the connection is then reused
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            assembler.add(_json_object(line[len(b"data: ") :], response))
+    return assembler if assembler.error is not None else assembler.answer()
+
+
+def _json_object(content: bytes, response: UpstreamResponse) -> dict[str, Any]:
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise UpstreamError(f"{response.node_url} answered with bad JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise UpstreamError(f"{response.node_url} answered with JSON that is not an object")
+    return data
+
+
+def _stream_error(error: dict[str, Any]) -> Response:
+    """An error event, as the error answer a non-streaming leg would have been."""
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
+    return JSONResponse({"error": error}, status_code=status)
 
 
 async def _relay_stream(

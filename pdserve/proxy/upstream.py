@@ -62,6 +62,10 @@ class UpstreamResponse:
         self._node, self._conn, self._timeout_s = node, conn, timeout_s
         self._done = False
 
+    @property
+    def node_url(self) -> str:
+        return self._node.url
+
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool."""
         parts = [chunk async for chunk in self._chunks()]

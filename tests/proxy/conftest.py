@@ -1,15 +1,19 @@
-"""A real `pdserve proxy` process in front of the P/D test cluster, and a stub node whose
-answers a test sets (for upstream errors and hung or broken nodes)."""
+"""A real `pdserve proxy` process in front of the P/D test cluster, a stub node whose
+answers a test sets (for upstream errors and hung or broken nodes), and a tiny model that
+can chat (a byte-level tokenizer: random weights write any bytes, split UTF-8 included)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,10 +22,39 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
 
 from pdserve.proxy.launch import NodeError, launch, wait_healthy
 from tests.api.conftest import API_KEY, Server, free_port, stop_server
 from tests.disagg.conftest import cluster  # noqa: F401  (the shared session fixture)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """One token per byte (ids 0-255), ChatML's markers (256, 257: the end of a turn) and
+    a ChatML template, for the tiny models' vocabulary of 320."""
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a byte-level tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_model_dir("llama"), path, dirs_exist_ok=True)
+    save_byte_tokenizer(path)
+    return path
 
 
 def start_proxy(prefill: list[str], decode: list[str], *extra: str) -> Server:

@@ -10,12 +10,14 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from pdserve.proxy.launch import signal_whole
 from tests.api.conftest import API_KEY, Server, start_server, stop_server
 from tests.disagg.conftest import (
     HEADERS,
@@ -200,6 +202,89 @@ def test_s7_client_gone_during_decode_frees_both_nodes(cluster: Cluster, proxy_f
             next(lines)
     assert_cluster_idle(cluster)
     assert departures(proxy, "s7-client") == {"s7-client": "streaming"}
+
+
+# -- long and stalled decode legs ---------------------------------------------------------
+
+IDLE_BOUND_S = 1.0
+"""The proxies' --decode-timeout-s here: the longest silence a decode leg may keep."""
+
+
+@pytest.fixture(scope="module")
+def slow_decode(cluster: Cluster) -> Iterator[Server]:
+    """A decode node that answers each step 50 ms late: slow but steady."""
+    node = start_server(*node_args(cluster.model, "--role", "decode",
+                                   "--debug-step-delay-s", "0.05"))  # fmt: skip
+    try:
+        yield node
+    finally:
+        signal_whole(node, signal.SIGCONT)
+        stop_server(node)
+
+
+def test_a_non_streaming_answer_longer_than_the_decode_timeout_completes(
+    cluster: Cluster, proxy_for: Any, slow_decode: Server
+) -> None:
+    proxy = proxy_for([cluster.prefill.url], [slow_decode.url],
+                      "--decode-timeout-s", str(IDLE_BOUND_S))  # fmt: skip
+    body = completion(make_prompt(30, seed=62), max_tokens=60, ignore_eos=True)
+    started = time.monotonic()
+    response = post(proxy, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert time.monotonic() - started > 2 * IDLE_BOUND_S  # 60 steps, 50 ms apart
+    assert token_ids(response.json()) == reference(cluster, body)
+    assert response.json()["usage"]["completion_tokens"] == 60
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+    wait_idle(slow_decode, RELEASED_WITHIN_S)
+
+
+def test_a_decode_node_that_stops_producing_is_cut_and_its_handoff_freed(
+    cluster: Cluster, proxy_for: Any, slow_decode: Server
+) -> None:
+    """SIGSTOP freezes the decode node: before the leg reaches it (the handoff is still
+    held: the proxy releases it, well before its 2 s lease), then mid-answer. Each time the
+    client gets a 504 once the leg was silent for the idle bound."""
+    proxy = proxy_for([cluster.prefill.url], [slow_decode.url],
+                      "--decode-timeout-s", str(IDLE_BOUND_S))  # fmt: skip
+    released_before = metric(proxy, "pdserve_proxy_releases_total")
+    signal_whole(slow_decode, signal.SIGSTOP)
+    try:
+        frozen_s = time.monotonic()
+        response = post(proxy, "/v1/completions", completion(make_prompt(30, seed=63)))
+        assert_cut(response, time.monotonic() - frozen_s)
+        wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+        assert metric(proxy, "pdserve_proxy_releases_total") == released_before + 1
+    finally:
+        signal_whole(slow_decode, signal.SIGCONT)
+    wait_idle(slow_decode, 10)  # thawed, it finds its client gone
+
+    body = completion(make_prompt(30, seed=64), max_tokens=400, ignore_eos=True)
+    answers: list[tuple[httpx.Response, float]] = []
+    client = threading.Thread(
+        target=lambda: answers.append((post(proxy, "/v1/completions", body), time.monotonic()))
+    )
+    client.start()
+    deadline = time.monotonic() + 10
+    while kv_state(slow_decode)["num_running"] == 0:  # the KV was read: it decodes
+        assert time.monotonic() < deadline, "the decode leg never started"
+        time.sleep(0.02)
+    time.sleep(0.3)  # a few chunks on their way
+    signal_whole(slow_decode, signal.SIGSTOP)
+    try:
+        frozen_s = time.monotonic()
+        client.join(10)
+        [(response, answered_s)] = answers
+        assert_cut(response, answered_s - frozen_s)
+        wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+    finally:
+        signal_whole(slow_decode, signal.SIGCONT)
+    wait_idle(slow_decode, 10)
+
+
+def assert_cut(response: httpx.Response, silent_s: float) -> None:
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["type"] == "upstream_error"
+    assert IDLE_BOUND_S - 0.1 < silent_s < IDLE_BOUND_S + 2, silent_s
 
 
 # -- retries, dead nodes -------------------------------------------------------------------
