@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
-from pdserve import envs
+from pdserve import envs, logs
 from pdserve.config import CacheConfig
 from pdserve.errors import ConfigError, PdserveError
 
@@ -130,6 +129,13 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level", default=None, choices=logs.LEVELS,
+        help="default: PDSERVE_LOG_LEVEL, else info; debug adds every HTTP client request",
+    )  # fmt: skip
+
+
 def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--parent-pid", type=int, default=None,
@@ -163,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--debug-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_parent_pid_arg(srv)
+    add_log_level_arg(srv)
     pd = srv.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--role", default="both", choices=["both", "prefill", "decode"],
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "tokens); an answer that keeps coming is never cut")  # fmt: skip
     prx.add_argument("--health-interval-s", type=float, default=1.0)
     add_parent_pid_arg(prx)
+    add_log_level_arg(prx)
     prx.add_argument("--debug-delay-between-legs-s", type=float, default=0.0,
                      help=argparse.SUPPRESS)  # fmt: skip
     prx.set_defaults(func=_proxy)
@@ -252,11 +260,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     envs.force_hub_offline()
-    logging.basicConfig(
-        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        logs.configure(getattr(args, "log_level", None) or envs.log_level())
         return int(args.func(args))
     except PdserveError as e:
         print(f"pdserve: error: {e.message}", file=sys.stderr)

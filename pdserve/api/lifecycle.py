@@ -30,6 +30,7 @@ from typing import Any
 
 import uvicorn
 
+from pdserve import logs
 from pdserve.api.server import ServerState, create_app
 from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
 from pdserve.engine.async_client import AsyncEngineClient
@@ -120,7 +121,7 @@ async def run_server(
             observer,
         )
     config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level="warning", lifespan="off",
+        create_app(state), host=host, port=port, log_level=logs.uvicorn_level(), lifespan="off",
         timeout_graceful_shutdown=_FINAL_GRACE_S,
     )  # fmt: skip
     server = _DrainingServer(config, state, drain_timeout_s)

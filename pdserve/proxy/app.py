@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve import logs
 from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import error_response
 from pdserve.parent_watch import ParentWatch
@@ -188,8 +189,10 @@ class BearerAuth:
 
 async def run_proxy(state: ProxyState, host: str, port: int, parent_pid: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone)."""
-    config = uvicorn.Config(create_proxy_app(state), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=2)  # fmt: skip
+    config = uvicorn.Config(
+        create_proxy_app(state), host=host, port=port, log_level=logs.uvicorn_level(),
+        timeout_graceful_shutdown=2,
+    )  # fmt: skip
     prefill = [b.url for b in state.prefill.backends]
     decode = [b.url for b in state.decode.backends]
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill, decode)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -50,13 +51,16 @@ def launch(
     host: str = "127.0.0.1",
     port: int | None = None,
     command: str = "serve",
+    output: IO[bytes] | None = None,
 ) -> Node:
     """`pdserve <command> --host H --port P <args>` in a subprocess, tied to this process
-    (`--parent-pid`); returns at once."""
+    (`--parent-pid`); returns at once. Its stdout and stderr go to `output` (default: this
+    process's)."""
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "pdserve.cli", command, "--host", host, "--port", str(port),
            "--parent-pid", str(os.getpid())]  # fmt: skip
-    process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})})
+    process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})},
+                               stdout=output, stderr=output)  # fmt: skip
     return Node(f"http://{host}:{port}", process)
 
 

@@ -19,6 +19,7 @@ import sys
 import httpx
 import uvicorn
 
+from pdserve import logs
 from pdserve.proxy.app import ProxyState, create_proxy_app
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.pool import BackendPool
@@ -43,13 +44,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--ask", default=None, help="send this chat message, print the answer, stop")
     up.add_argument("--max-tokens", type=int, default=64, help="for --ask")
+    up.add_argument("--log-level", default=None, choices=logs.LEVELS,
+                    help="this process's and the nodes' (default: PDSERVE_LOG_LEVEL, else "
+                         "info); debug adds every HTTP client request")  # fmt: skip
     up.set_defaults(func=run)
 
 
 def node_args(args: argparse.Namespace, role: str) -> list[str]:
     argv = ["--role", role, "--model", args.model, "--dtype", args.dtype]
     for flag, value in (("--api-key", args.api_key), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--max-model-len", args.max_model_len)):  # fmt: skip
+                        ("--max-model-len", args.max_model_len),
+                        ("--log-level", args.log_level)):  # fmt: skip
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -88,7 +93,8 @@ async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) 
         api_key=args.api_key, node_api_key=args.api_key,
     )  # fmt: skip
     config = uvicorn.Config(create_proxy_app(state), host=args.host, port=args.port,
-                            log_level="warning", timeout_graceful_shutdown=2)  # fmt: skip
+                            log_level=logs.uvicorn_level(),
+                            timeout_graceful_shutdown=2)  # fmt: skip
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     url = f"http://{args.host}:{args.port}"
