@@ -4,12 +4,15 @@ body reader whose failures become them."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+
+logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 """Largest completion body a node or the proxy reads."""
@@ -40,6 +43,23 @@ def error_response(
     status: int, message: str, error_type: str, param: str | None = None
 ) -> JSONResponse:
     return from_exception(StatusError(message, status=status, error_type=error_type, param=param))
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"no route {request.url.path}", "not_found_error")
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"{request.method} not allowed here", "invalid_request_error")
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s", request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", "internal_error")
+
+
+ERROR_HANDLERS: dict[Any, Any] = {404: not_found, 405: not_allowed, Exception: internal_error}
+"""For every Starlette app (nodes and proxy): its own 404, 405 and 500 are plain text."""
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.api.auth import bearer_matches
 from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.errors import (
+    ERROR_HANDLERS,
     MAX_BODY_BYTES,
     error_body,
     error_response,
@@ -195,10 +196,8 @@ def create_app(state: ServerState) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             *disagg_routes(state),
         ],
+        exception_handlers=ERROR_HANDLERS,
     )
-    app.add_exception_handler(404, _not_found)
-    app.add_exception_handler(405, _not_allowed)
-    app.add_exception_handler(Exception, _internal_error)
     return app
 
 
@@ -244,19 +243,6 @@ class EdgeMiddleware:
         if path.startswith("/kv/"):  # node-to-node
             return self.state.cluster_secret
         return self.state.api_key
-
-
-async def _not_found(request: Request, exc: Exception) -> Response:
-    return error_response(404, f"no route {request.url.path}", "not_found_error")
-
-
-async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return error_response(405, f"{request.method} not allowed here", "invalid_request_error")
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("internal error on %s", request.url.path, exc_info=exc)
-    return error_response(500, "internal server error", "internal_error")
 
 
 def _validate(data: Any, model: type[BaseModel]) -> Any:
@@ -312,6 +298,7 @@ async def _serve(
                 f"model {body.model!r} does not exist", status=404, error_type="not_found_error"
             )
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
+        inputs = _engine_inputs(body, chat)  # before a prefill leg's handoff is minted
         if isinstance(kv, RemoteDecode) and body.stream:
             raise InvalidRequestError("a prefill leg (do_remote_decode) cannot stream",
                                       param="stream")  # fmt: skip
@@ -325,9 +312,9 @@ async def _serve(
     keep_registered = False
     try:
         if isinstance(kv, RemoteDecode):
-            return await _serve_prefill_leg(state, request, body, builder, chat, kv,
+            return await _serve_prefill_leg(state, request, inputs, builder, kv,
                                             client_request_id)  # fmt: skip
-        response = await _generate(state, request, body, builder, chat, kv)
+        response = await _generate(state, request, body, inputs, builder, kv)
         keep_registered = isinstance(response, StreamingResponse)  # the stream unregisters
         return response
     finally:
@@ -340,8 +327,8 @@ async def _generate(
     state: ServerState,
     request: Request,
     body: Any,
+    inputs: dict[str, Any],
     builder: ChoiceBuilder,
-    chat: bool,
     kv: RemotePrefill | None,
 ) -> Response:
     request_id = builder.request_id
@@ -349,9 +336,7 @@ async def _generate(
         state.unloaded_decode_legs.add(request_id)
     try:
         outputs = state.metrics.track(
-            state.client.generate(
-                request_id, builder.params, **_engine_inputs(body, chat), kv_transfer=kv
-            )
+            state.client.generate(request_id, builder.params, **inputs, kv_transfer=kv)
         )
         if state.debug_step_delay_s:
             outputs = _paced(outputs, state.debug_step_delay_s)
@@ -392,9 +377,8 @@ async def _generate(
 async def _serve_prefill_leg(
     state: ServerState,
     request: Request,
-    body: Any,
+    inputs: dict[str, Any],
     builder: ChoiceBuilder,
-    chat: bool,
     kv: RemoteDecode,
     client_request_id: str,
 ) -> Response:
@@ -406,9 +390,7 @@ async def _serve_prefill_leg(
     assert service is not None  # a prefill leg is only accepted by a prefill node
     handoff = service.begin(builder.request_id, client_request_id, kv.release_token)
     outputs = state.metrics.track(
-        state.client.generate(
-            builder.request_id, builder.params, **_engine_inputs(body, chat), kv_transfer=kv
-        )
+        state.client.generate(builder.request_id, builder.params, **inputs, kv_transfer=kv)
     )
     try:
         final = await _race_disconnect(request, _last(outputs), outputs)
@@ -448,6 +430,7 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _engine_inputs(body: Any, chat: bool) -> dict[str, Any]:
+    """The prompt or the messages, as the engine takes them (400 if they are unusable)."""
     if chat:
         return {"messages": body.chat_messages()}
     return {"prompt": body.single_prompt()}

@@ -33,7 +33,7 @@ from pdserve.engine.core_messages import (
     StepOutputs,
 )
 from pdserve.engine.engine import LLMEngine, user_request_id
-from pdserve.errors import PdserveError
+from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.outputs import RequestOutput
 from pdserve.parent_watch import ParentWatch
 
@@ -155,7 +155,8 @@ def _handle(
         prompt = message.prompt
         if message.messages is not None:
             if engine.tokenizer is None:
-                raise PdserveError("this model has no tokenizer for chat")
+                raise InvalidRequestError("this model has no tokenizer: it cannot chat",
+                                          param="messages")  # fmt: skip
             prompt = engine.tokenizer.apply_chat_template(message.messages)
         if prompt is None:
             raise PdserveError("request without a prompt")

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import logs
 from pdserve.api.auth import bearer_matches
-from pdserve.api.errors import error_response
+from pdserve.api.errors import ERROR_HANDLERS, error_response
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
@@ -165,6 +165,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             Route("/admin/departures", departures, methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers=ERROR_HANDLERS,
     )
     app.add_middleware(BearerAuth, api_key=state.api_key)
     return app

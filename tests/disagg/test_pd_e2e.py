@@ -405,3 +405,31 @@ def test_legs_on_the_wrong_role_are_400(cluster: Cluster) -> None:
     stream = post(cluster.prefill, "/v1/completions", streaming_leg)
     assert stream.status_code == 400
     assert all(is_idle(kv_state(s)) for s in (cluster.prefill, cluster.decode, cluster.single))
+
+
+@pytest.mark.parametrize(
+    "prompt_fields",
+    [{"prompt": ""}, {"prompt": [[1, 2], [3]]}, {"prompt": [1, 2], "echo": True}],
+    ids=["empty", "batched", "echo"],
+)
+def test_a_prefill_leg_with_an_unusable_prompt_is_a_400_and_holds_nothing(
+    cluster: Cluster, prompt_fields: dict[str, Any]
+) -> None:
+    """Found by the HTTP properties: the prompt was checked after the handoff was minted,
+    so these legs were a 500 and left a PREFILLING handoff without a deadline (a drain
+    then waited for it until --drain-timeout-s)."""
+    body = {"max_tokens": 4, **prompt_fields, "kv_transfer_params": {"do_remote_decode": True}}
+    response = post(cluster.prefill, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] in ("prompt", "echo")
+    assert kv_state(cluster.prefill)["num_handoffs"] == 0
+
+
+def test_chat_on_a_model_without_a_tokenizer_is_a_400(cluster: Cluster) -> None:
+    """Found by the HTTP properties: a 500 `internal_error`."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for server in (cluster.single, cluster.prefill):
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "messages"
+    assert is_idle(kv_state(cluster.prefill)) and is_idle(kv_state(cluster.single))

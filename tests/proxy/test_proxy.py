@@ -111,6 +111,10 @@ def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_f
     huge = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * (5 << 20), headers=HEADERS,
                       timeout=30)  # fmt: skip
     assert huge.status_code == 413
+    for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/v2/nothing", 404)):
+        routing = httpx.request(method, f"{proxy.url}{path}", headers=HEADERS, timeout=5)
+        assert routing.status_code == status  # in the OpenAI schema, as on the nodes
+        assert set(routing.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(f"{proxy.url}/health", timeout=5).json()["num_decode_up"] == 1
     models = httpx.get(f"{proxy.url}/v1/models", headers=HEADERS, timeout=5).json()
     assert models["data"][0]["id"] == str(cluster.model)
