@@ -104,9 +104,13 @@ async def renew(state: ServerState, request: Request) -> Response:
 
 
 async def claim(state: ServerState, request: Request) -> Response:
-    ref = _ref(await _json(request))
+    data = await _json(request)
+    ref = _ref(data)
+    block_ids = data.get("block_ids")
+    if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
+        raise InvalidRequestError("block_ids (the blocks to read) must be a list of integers")
     service = _service(state)
-    outcome = await service.apply(lambda t: t.claim(*ref))
+    outcome = await service.apply(lambda t: t.claim(*ref, block_ids))
     return JSONResponse(
         {"outcome": outcome.value, "claim_timeout_s": service.table.claim_timeout_s}
     )

@@ -225,24 +225,28 @@ class DecodeConnector(KVConnector):
             self._send_release(remote, "rejected")
             return self._failure(load, f"prefill node unreachable: {e}")
         mismatch = self.layout.mismatch(peer.layout)
-        if mismatch is None and len(load.remote_block_ids) != len(load.local_block_ids):
-            mismatch = "remote_block_ids do not cover the prompt"
         if mismatch is not None:
             self._send_release(remote, "rejected")
             return LoadResult(
                 load.request_id, ok=False, error=f"incompatible prefill node: {mismatch}"
             )
+        if len(load.remote_block_ids) != len(load.local_block_ids):
+            # Malformed params (they come from the client), not an incompatible node.
+            self._send_release(remote, "rejected")
+            return self._failure(load, "remote_block_ids do not cover the prompt")
         if load.aborted:
             self._send_release(remote, "cancelled")
             return self._failure(load, "aborted before the claim")
         claim_sent_s = time.monotonic()
         try:
-            outcome, claim_timeout_s = self.control.claim(remote.control_url, ref)
+            outcome, claim_timeout_s = self.control.claim(remote.control_url, ref, remote.block_ids)
         except ControlError as e:
             # Unknown whether the claim landed: never read; the prefill node frees the
             # handoff at its claim deadline or lease end (fail closed, S12).
             return self._failure(load, f"claim failed: {e}")
         if outcome != "ok":
+            if outcome == "wrong_blocks":  # the handoff is still held, for nobody
+                self._send_release(remote, "rejected")
             return self._failure(load, f"claim refused ({outcome})")
         load.claimed = True
         if self.debug_read_delay_s:

@@ -3,13 +3,15 @@ node's API port, under `/kv/`.
 
     GET  /kv/handshake   → engine id, epoch, KV layout, NIXL metadata of the prefill node
     POST /kv/renew       {"handoffs": [ref, …]}  → {"outcomes": […]}   (batched per node)
-    POST /kv/claim       ref                     → {"outcome", "claim_timeout_s"}
+    POST /kv/claim       ref + {"block_ids"}     → {"outcome", "claim_timeout_s"}
     POST /kv/done        ref                     → {"outcome"}          (read succeeded)
     POST /kv/failed      ref                     → {"outcome"}          (read failed/abandoned)
     POST /kv/release     ref + {"reason"}        → {"outcome"}
 
 A `ref` is `{"handoff_id", "release_token", "epoch"}`: the per-handoff token authorizes
-the message for that handoff only. The calls also carry the cluster credential
+the message for that handoff only. A claim names the blocks the decode node will read (the
+`remote_block_ids` it was given): the prefill node refuses blocks that are not the
+handoff's (`wrong_blocks`). The calls also carry the cluster credential
 (`Authorization: Bearer <cluster secret, or the API key>`) when one is configured.
 
 `ControlClient` is the decode side's synchronous client (it runs on the connector's
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +84,9 @@ class ControlClient:
         data = self._call("POST", f"{url}/kv/renew", {"handoffs": [r.as_json() for r in refs]})
         return [str(o) for o in data.get("outcomes", [])]
 
-    def claim(self, url: str, ref: HandoffRef) -> tuple[str, float]:
-        data = self._call("POST", f"{url}/kv/claim", ref.as_json())
+    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[str, float]:
+        body = {**ref.as_json(), "block_ids": list(block_ids)}
+        data = self._call("POST", f"{url}/kv/claim", body)
         return str(data.get("outcome")), float(data.get("claim_timeout_s") or 0.0)
 
     def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> str:

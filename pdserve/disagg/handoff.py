@@ -10,7 +10,9 @@ node's epoch) and moves through these states, each with a bounded lifetime:
      RELEASED ◀── release / abort ─────┘  └──────────▶ RELEASED
 
 - HELD: blocks pinned, waiting for the decode node. `renew` extends the lease; without
-  renewals the sweep releases the handoff when the lease ends (decode node dead, S10).
+  renewals the sweep releases the handoff when the lease ends (decode node dead, S10). A
+  `claim` must name exactly the handoff's blocks; any other list is refused and the
+  handoff stays HELD.
 - CLAIMED: the decode node is reading. Nothing frees the blocks now (invariant 2) except
   `done`/`failed` or the claim deadline; a `release` that arrives meanwhile is recorded
   and honoured at that point.
@@ -29,7 +31,7 @@ import hmac
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 RELEASE_REASONS = ("transferred", "released", "aborted", "expired", "rejected", "failed")
@@ -58,6 +60,10 @@ class Outcome(enum.Enum):
     still prefilling or already claimed, `done` without a claim)."""
     DEFERRED = "deferred"
     """Release of a CLAIMED handoff: honoured when the read ends or its deadline passes."""
+    WRONG_BLOCKS = "wrong_blocks"
+    """A claim for other blocks than the handoff's: the decode node would read blocks that
+    are free or another request's (its block ids come from the decode leg's
+    kv_transfer_params, which any client writes)."""
 
 
 @dataclass
@@ -143,13 +149,18 @@ class HandoffTable:
             handoff.lease_deadline_s = self._clock() + self.lease_s
         return Outcome.OK
 
-    def claim(self, handoff_id: str, token: str, epoch: str | None) -> Outcome:
-        """The decode node asks to read. Only a HELD handoff within its lease is claimable."""
+    def claim(
+        self, handoff_id: str, token: str, epoch: str | None, block_ids: Sequence[int]
+    ) -> Outcome:
+        """The decode node asks to read `block_ids`. Only a HELD handoff within its lease is
+        claimable, and only for exactly its own blocks."""
         handoff, outcome = self._authorize("claim", handoff_id, token, epoch)
         if handoff is None:
             return outcome
         if handoff.state is not HandoffState.HELD:
             return self._count("claim_wrong_state", Outcome.WRONG_STATE)
+        if tuple(block_ids) != handoff.block_ids:
+            return self._count("claim_wrong_blocks", Outcome.WRONG_BLOCKS)
         if self._clock() >= handoff.lease_deadline_s:  # expired, sweep not yet run
             self.counters["lease_expired"] += 1
             self._release(handoff, "expired")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -71,6 +71,7 @@ class FakeControl:
         self.unreachable = set(unreachable)
         self.paused: dict[str, threading.Event] = {}
         self.closed = False
+        self.claimed_block_ids: list[tuple[int, ...]] = []
         self._calls: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
 
@@ -87,8 +88,9 @@ class FakeControl:
         self._record("renew", url, tuple(refs))
         return ["ok"] * len(refs)
 
-    def claim(self, url: str, ref: HandoffRef) -> tuple[str, float]:
+    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[str, float]:
         self._record("claim", url, ref)
+        self.claimed_block_ids.append(tuple(block_ids))
         return self.claim_outcome, self.claim_timeout_s
 
     def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> str:
@@ -332,6 +334,7 @@ def test_load_renews_while_pending_then_claims_reads_and_runs_from_the_last_posi
         ("finish_read", PREFILL_URL, ref, True),
     ]
     node.assert_loaded(local, REMOTE_BLOCK_IDS[:2])  # the third remote block is not read
+    assert node.control.claimed_block_ids == [REMOTE_BLOCK_IDS[:3]]  # the handoff's, all
     # A claimed handoff is not renewed (one renewal may have been under way at the claim).
     methods = [c[0] for c in node.control.calls("renew", "claim", "finish_read")]
     assert methods[methods.index("claim") :].count("renew") <= 1
@@ -548,6 +551,25 @@ def test_a_refused_claim_reads_nothing_and_recomputes(
     assert_recomputes(node, scheduler, request)
 
 
+def test_a_claim_refused_for_other_blocks_releases_the_handoff_and_recomputes(
+    make_node: Callable[..., DecodeNode],
+) -> None:
+    node = make_node(claim_outcome="wrong_blocks")
+    scheduler, request, failed = run_failing_load(node)
+
+    assert failed == []
+    wait_until(lambda: node.control.calls("release"), "release")
+    ref = remote_of(request).ref
+    assert node.control.calls() == [
+        ("handshake", PREFILL_URL),
+        ("claim", PREFILL_URL, ref),
+        ("release", PREFILL_URL, ref, "rejected"),
+    ]
+    assert node.control.claimed_block_ids == [remote_of(request).block_ids]
+    assert not node.decode.kv_cache.any()
+    assert_recomputes(node, scheduler, request)
+
+
 def test_a_refused_claim_fails_the_request_under_policy_fail(
     make_node: Callable[..., DecodeNode],
 ) -> None:
@@ -595,22 +617,25 @@ def test_an_unreachable_prefill_node_is_released_and_the_prompt_recomputed(
     assert_recomputes(node, scheduler, request)
 
 
-def test_params_whose_blocks_do_not_cover_the_prompt_are_rejected(
-    make_node: Callable[..., DecodeNode],
+@pytest.mark.parametrize("fail_on_load_error", [False, True])
+def test_params_whose_blocks_do_not_cover_the_prompt_are_not_read(
+    make_node: Callable[..., DecodeNode], fail_on_load_error: bool
 ) -> None:
-    node = make_node()  # policy: recompute
+    """Malformed params (a client writes them), not an incompatible node: the load fails
+    under the node's policy, as a refused claim does (it was a 502 whatever the policy)."""
+    node = make_node(fail_on_load_error=fail_on_load_error)
     scheduler = make_scheduler(node.connector)
     remote = make_remote(9, block_ids=REMOTE_BLOCK_IDS[:1])  # 8 tokens need 2 blocks
     request = make_request(9, remote)
     admit_for_load(scheduler, request)
 
-    assert wait_load_ended(scheduler, request) == [request]
-    assert_fails(
-        node,
-        scheduler,
-        request,
-        "incompatible prefill node: remote_block_ids do not cover the prompt",
-    )
+    failed = wait_load_ended(scheduler, request)
+    if fail_on_load_error:
+        assert failed == [request]
+        assert_fails(node, scheduler, request, "remote_block_ids do not cover the prompt")
+    else:
+        assert failed == []
+        assert_recomputes(node, scheduler, request)
     wait_until(lambda: node.control.calls("release"), "release")
     assert node.control.calls() == [
         ("handshake", PREFILL_URL),

@@ -40,7 +40,7 @@ def test_happy_path_claim_read_done_frees_once() -> None:
     table, _ = make_table()
     h = make_held(table)
     assert table.num_held_blocks == 2
-    assert table.claim(h.handoff_id, h.release_token, "e1") is Outcome.OK
+    assert table.claim(h.handoff_id, h.release_token, "e1", h.block_ids) is Outcome.OK
     assert table.finish_read(h.handoff_id, h.release_token, "e1", ok=True) is Outcome.OK
     assert released_ids(table) == [h.handoff_id]
     assert table.num_live == 0 and table.num_held_blocks == 0
@@ -68,7 +68,7 @@ def test_s3_s15_release_of_a_held_handoff_is_immediate(admin: bool) -> None:
 def test_s6_release_during_the_read_waits_for_the_read_to_end() -> None:
     table, _ = make_table()
     h = make_held(table)
-    table.claim(h.handoff_id, h.release_token, "e1")
+    table.claim(h.handoff_id, h.release_token, "e1", h.block_ids)
     assert table.release(h.handoff_id, h.release_token) is Outcome.DEFERRED
     assert table.take_released() == []  # invariant 2: no free while the read can land
     assert table.finish_read(h.handoff_id, h.release_token, "e1", ok=False) is Outcome.OK
@@ -78,7 +78,7 @@ def test_s6_release_during_the_read_waits_for_the_read_to_end() -> None:
 def test_s8_done_and_release_together_or_twice_release_once() -> None:
     table, _ = make_table()
     h = make_held(table)
-    table.claim(h.handoff_id, h.release_token, "e1")
+    table.claim(h.handoff_id, h.release_token, "e1", h.block_ids)
     assert table.finish_read(h.handoff_id, h.release_token, "e1", ok=True) is Outcome.OK
     assert (
         table.finish_read(h.handoff_id, h.release_token, "e1", ok=True) is Outcome.ALREADY_RELEASED
@@ -92,7 +92,7 @@ def test_s9_expired_lease_refuses_the_claim() -> None:
     table, clock = make_table(lease_s=5)
     h = make_held(table)
     clock.now += 5.0
-    assert table.claim(h.handoff_id, h.release_token, "e1") is Outcome.ALREADY_RELEASED
+    assert table.claim(h.handoff_id, h.release_token, "e1", h.block_ids) is Outcome.ALREADY_RELEASED
     assert released_ids(table) == [h.handoff_id]
 
 
@@ -113,13 +113,13 @@ def test_renew_extends_the_lease() -> None:
         clock.now += 4.0
         assert table.renew(h.handoff_id, h.release_token, "e1") is Outcome.OK
         assert table.sweep() == 0
-    assert table.claim(h.handoff_id, h.release_token, "e1") is Outcome.OK
+    assert table.claim(h.handoff_id, h.release_token, "e1", h.block_ids) is Outcome.OK
 
 
 def test_claim_deadline_frees_a_stuck_read() -> None:
     table, clock = make_table(claim_timeout_s=10)
     h = make_held(table)
-    table.claim(h.handoff_id, h.release_token, "e1")
+    table.claim(h.handoff_id, h.release_token, "e1", h.block_ids)
     clock.now += 9.9
     assert table.sweep() == 0
     clock.now += 0.1
@@ -132,7 +132,9 @@ def test_claim_deadline_frees_a_stuck_read() -> None:
 def test_s11_stale_epoch_is_refused() -> None:
     table, _ = make_table()
     h = make_held(table)
-    assert table.claim(h.handoff_id, h.release_token, "old-epoch") is Outcome.STALE_EPOCH
+    assert (
+        table.claim(h.handoff_id, h.release_token, "old-epoch", h.block_ids) is Outcome.STALE_EPOCH
+    )
     assert table.get(h.handoff_id).state is HandoffState.HELD  # type: ignore[union-attr]
 
 
@@ -147,7 +149,7 @@ def test_s16_unknown_ids_are_counted_and_ignored() -> None:
     table, _ = make_table()
     h = make_held(table)
     assert table.release("ho-nope", "x") is Outcome.UNKNOWN
-    assert table.claim("ho-nope", "x", "e1") is Outcome.UNKNOWN
+    assert table.claim("ho-nope", "x", "e1", ()) is Outcome.UNKNOWN
     assert table.hold("ho-nope", (1,), 1) is Outcome.UNKNOWN
     assert table.counters["release_unknown"] == 1
     assert table.get(h.handoff_id).state is HandoffState.HELD  # type: ignore[union-attr]
@@ -158,20 +160,35 @@ def test_s20_wrong_or_missing_token_releases_nothing() -> None:
     h = make_held(table)
     for token in (None, "", "guess", h.release_token[:-1]):
         assert table.release(h.handoff_id, token) is Outcome.BAD_TOKEN
-        assert table.claim(h.handoff_id, token or "", "e1") is Outcome.BAD_TOKEN
+        assert table.claim(h.handoff_id, token or "", "e1", h.block_ids) is Outcome.BAD_TOKEN
     assert table.take_released() == []
     assert table.get(h.handoff_id).state is HandoffState.HELD  # type: ignore[union-attr]
+
+
+def test_a_claim_for_other_blocks_reads_nothing_and_the_handoff_stays_held() -> None:
+    """The decode node's block ids come from the decode leg's params, which any client
+    writes: a claim must name exactly the handoff's blocks (found by the HTTP properties:
+    a decode leg naming block 0 read it, free or another request's)."""
+    table, _ = make_table()
+    h = make_held(table, blocks=(3, 4))
+    for blocks in ((0, 1), (3,), (4, 3), (3, 4, 5), ()):
+        assert table.claim(h.handoff_id, h.release_token, "e1", blocks) is Outcome.WRONG_BLOCKS
+    assert table.counters["claim_wrong_blocks"] == 5
+    assert table.get(h.handoff_id).state is HandoffState.HELD  # type: ignore[union-attr]
+    assert table.claim(h.handoff_id, h.release_token, "e1", [3, 4]) is Outcome.OK
 
 
 def test_wrong_state_messages_are_total() -> None:
     table, _ = make_table()
     h = table.begin("r1")
-    assert table.claim(h.handoff_id, h.release_token, "e1") is Outcome.WRONG_STATE  # prefilling
+    assert (
+        table.claim(h.handoff_id, h.release_token, "e1", h.block_ids) is Outcome.WRONG_STATE
+    )  # prefilling
     table.hold(h.handoff_id, (1,), 4)
     assert table.hold(h.handoff_id, (1,), 4) is Outcome.WRONG_STATE
     assert table.finish_read(h.handoff_id, h.release_token, "e1", ok=True) is Outcome.WRONG_STATE
-    table.claim(h.handoff_id, h.release_token, "e1")
-    assert table.claim(h.handoff_id, h.release_token, "e1") is Outcome.WRONG_STATE
+    table.claim(h.handoff_id, h.release_token, "e1", h.block_ids)
+    assert table.claim(h.handoff_id, h.release_token, "e1", h.block_ids) is Outcome.WRONG_STATE
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -193,7 +210,7 @@ def test_random_message_storms_keep_the_invariants(seed: int) -> None:
         elif action == 1:
             table.renew(h.handoff_id, token, epoch)
         elif action == 2:
-            table.claim(h.handoff_id, token, epoch)
+            table.claim(h.handoff_id, token, epoch, h.block_ids if rng.random() < 0.9 else (7,))
         elif action in (3, 4):
             table.finish_read(h.handoff_id, token, epoch, ok=action == 3)
         elif action == 5:

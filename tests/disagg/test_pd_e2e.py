@@ -161,7 +161,7 @@ def test_s7_cancel_mid_generation_frees_the_decode_node(cluster: Cluster) -> Non
 def test_s8_done_and_release_twice_are_answered_and_ignored(cluster: Cluster) -> None:
     kv = prefill_leg(cluster.prefill, completion(make_prompt(20, seed=8)))["kv_transfer_params"]
     ref = {"handoff_id": kv["remote_request_id"], "release_token": kv["release_token"],
-           "epoch": kv["epoch"]}  # fmt: skip
+           "epoch": kv["epoch"], "block_ids": kv["remote_block_ids"]}  # fmt: skip
     outcomes = [
         post(cluster.prefill, f"/kv/{path}", ref).json()["outcome"]
         for path in ("claim", "done", "done", "release", "failed", "claim")
@@ -182,6 +182,28 @@ def test_s9_lease_expired_before_the_decode_leg_recomputes_correctly(cluster: Cl
     response = decode_leg(cluster.decode, body, kv)
     assert response.status_code == 200 and token_ids(response.json()) == expected
     assert_both_idle(cluster)
+
+
+@pytest.mark.parametrize("blocks", ["other", "too_few"])
+def test_decode_legs_naming_other_blocks_read_nothing_and_recompute(
+    cluster: Cluster, blocks: str
+) -> None:
+    """Found by the HTTP properties: the decode node read whatever blocks the leg's params
+    named (block 0 here: free, or another request's) and answered with the wrong tokens;
+    blocks too few for the prompt were a 502. Now the claim names the blocks and the
+    prefill node refuses others; either way the decode node recomputes and releases."""
+    body = completion(make_prompt(40, seed=21), max_tokens=8)  # three blocks
+    expected = reference(cluster, body)
+    kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
+    named = [b + 1 for b in kv["remote_block_ids"]] if blocks == "other" else [0]
+    refused_before = kv_state(cluster.prefill)["handoff_counters"].get("claim_wrong_blocks", 0)
+    bytes_before = metric(cluster.decode, "pdserve_kv_transfer_bytes_total")
+    response = decode_leg(cluster.decode, body, {**kv, "remote_block_ids": named})
+    assert response.status_code == 200 and token_ids(response.json()) == expected
+    assert metric(cluster.decode, "pdserve_kv_transfer_bytes_total") == bytes_before
+    refused = kv_state(cluster.prefill)["handoff_counters"].get("claim_wrong_blocks", 0)
+    assert refused == refused_before + (blocks == "other")
+    assert_both_idle(cluster, 1.0)  # released by the decode node, not by the 2 s lease
 
 
 def test_s12_unreachable_control_channel_fails_closed(cluster: Cluster) -> None:
