@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # NIXL/UCX in tests: bind loopback only; skip the InfiniBand module (it can crash at exit
@@ -20,6 +21,18 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
+
+# Property-based tests of the HTTP surface (tests/api/test_http_properties.py,
+# tests/proxy/test_proxy_properties.py): `ci` is the suite's share, a few examples per
+# property, the same ones every run; `soak` explores (bench/fuzz_http.sh, or
+# `pytest --hypothesis-profile soak`). Each example is HTTP round trips to real processes.
+_HTTP_PROPERTIES = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.register_profile("ci", max_examples=20, derandomize=True, database=None,
+                          **_HTTP_PROPERTIES)  # fmt: skip
+settings.register_profile("soak", max_examples=300, **_HTTP_PROPERTIES)
+settings.load_profile("ci")
 
 
 def save_tiny_hf_model(path: Path, arch: str, seed: int = 0) -> Path:
