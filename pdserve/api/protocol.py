@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
@@ -165,16 +166,40 @@ def _message_text(content: Any, where: str, assistant: bool) -> str:
     return "".join(texts)
 
 
+def _text_part(field: str) -> JsonDict:
+    return {"type": "object", "required": ["type", field],
+            "properties": {"type": {"const": field}, field: {"type": "string"}}}  # fmt: skip
+
+
+_PARTS: JsonDict = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"anyOf": [_text_part("text"), _text_part("refusal")]},
+    "description": "text parts (refusal parts: assistant messages only)",
+}
+MESSAGE_SCHEMA: JsonDict = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, _PARTS]},
+        "name": {"type": "string"},
+    },
+}
+"""What `parse_message` accepts, as JSON Schema (for /openapi.json)."""
+_NOT_SERVED = "refused (400) unless empty or none: pdserve has no tool calling"
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"items": MESSAGE_SCHEMA})
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    tools: Any = Field(None, description=_NOT_SERVED)
+    tool_choice: Any = Field(None, description=_NOT_SERVED)
+    functions: Any = Field(None, description=_NOT_SERVED)
+    function_call: Any = Field(None, description=_NOT_SERVED)
+    response_format: Any = Field(None, description='refused (400) unless {"type": "text"}')
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -51,6 +51,7 @@ from pdserve.api.errors import (
     read_json,
 )
 from pdserve.api.metrics import MetricsRecorder
+from pdserve.api.openapi import openapi_document
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
 from pdserve.disagg.control import ControlClient, ControlError
@@ -68,7 +69,7 @@ from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 SELF_AUTHENTICATED_PATHS = ("/v1/abort_requests",)
 """Admin key or a release token, checked by the route (`disagg_routes`)."""
 
@@ -185,6 +186,10 @@ def create_app(state: ServerState) -> Starlette:
             "handoff_counters": dict(state.handoffs.table.counters) if state.handoffs else {},
         })  # fmt: skip
 
+    async def openapi(request: Request) -> Response:
+        title = f"pdserve node ({state.role})"
+        return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS))
+
     app = Starlette(
         middleware=[Middleware(EdgeMiddleware, state=state)],
         routes=[
@@ -194,6 +199,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/admin/kv", admin_kv, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             *disagg_routes(state),
         ],
         exception_handlers=ERROR_HANDLERS,

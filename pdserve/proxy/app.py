@@ -30,13 +30,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve import logs
 from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import ERROR_HANDLERS, error_response
+from pdserve.api.openapi import openapi_document
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 NUM_DEPARTURES_KEPT = 10_000
 _LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)  # fmt: skip
@@ -137,6 +138,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
     async def departures(request: Request) -> Response:
         return JSONResponse({"departures": list(state.departures)})
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document(request.app.routes, "pdserve proxy", OPEN_PATHS))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
@@ -163,6 +167,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/departures", departures, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers=ERROR_HANDLERS,

@@ -51,7 +51,7 @@ from tests.disagg.conftest import cluster as cluster  # the shared session fixtu
 pytestmark = pytest.mark.timeout(600)
 KV_PATHS = ["/kv/renew", "/kv/claim", "/kv/done", "/kv/failed", "/kv/release"]
 ROUTES = [*OPENAI_PATHS, "/v1/models", "/health", "/metrics", "/admin/kv",
-          "/v1/abort_requests", "/kv/handshake", *KV_PATHS]  # fmt: skip
+          "/v1/abort_requests", "/kv/handshake", "/openapi.json", *KV_PATHS]  # fmt: skip
 
 
 # -- the OpenAI routes on each role ---------------------------------------------------------

@@ -31,7 +31,7 @@ from tests.disagg.conftest import cluster as cluster  # the shared session fixtu
 from tests.proxy.conftest import start_proxy
 
 pytestmark = pytest.mark.timeout(600)
-ROUTES = [*OPENAI_PATHS, "/v1/models", "/health", "/metrics", "/admin/departures"]
+ROUTES = [*OPENAI_PATHS, "/v1/models", "/health", "/metrics", "/admin/departures", "/openapi.json"]
 
 
 @pytest.fixture(scope="module")
