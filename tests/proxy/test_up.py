@@ -64,20 +64,30 @@ def _alive(pid: int, started: str) -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
                          ids=["sigterm", "sigint", "sigkill"])  # fmt: skip
-def test_no_node_outlives_pdserve_up(sig: signal.Signals, tiny_model_dir: Any) -> None:
+def test_no_node_outlives_pdserve_up(
+    sig: signal.Signals, tiny_model_dir: Any, tmp_path: Path
+) -> None:
     """Only `pdserve up` gets the signal, as from systemd, `kill PID` or a CI timeout: its
-    nodes' API and engine processes all end too (SIGKILL: they notice their parent gone)."""
+    nodes' API and engine processes all end too (SIGKILL: they notice their parent gone).
+    Idle before that, at the default log level, it prints nothing (it printed the health
+    checks, two lines a second)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
            "--model", str(tiny_model_dir("llama")), "--num-kv-blocks", "64"]  # fmt: skip
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
-    up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_LOG_LEVEL"}
+    console = tmp_path / "console.txt"
+    with console.open("wb") as output:
+        up = subprocess.Popen(cmd, env=env, stdout=output, stderr=output)
     tree: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 180
         while not _healthy(f"http://127.0.0.1:{port}"):
             assert up.poll() is None and time.monotonic() < deadline, "pdserve up did not start"
             time.sleep(0.2)
+        time.sleep(1)  # the ready banner
+        ready = console.read_text()
+        time.sleep(2)  # two rounds of health checks of both nodes
+        assert console.read_text() == ready, console.read_text()[len(ready) :]
         tree = _descendants(up.pid)
         assert len(tree) >= 4, tree  # two nodes, each an API and an engine process
         up.send_signal(sig)
