@@ -37,7 +37,7 @@ def _wait_running(url: str) -> None:
 
 def test_health_is_503_while_loading_then_sigterm_drains_in_flight_requests() -> None:
     statuses: list[int] = []
-    server = start_server("--dtype", "bfloat16", "--num-kv-blocks", "64", on_health=statuses.append)
+    server = start_server("--num-kv-blocks", "64", on_health=statuses.append)
     assert 503 in statuses and statuses[-1] == 200  # listening before the model was ready
     result: dict[str, Any] = {}
     thread = _post_in_thread(server.url, BODY, result)

@@ -19,13 +19,26 @@ import pytest
 from tests.api.conftest import free_port
 
 
+def _cpu_levels() -> list[Any]:
+    """The machine's level as the environment leaves it (what `make run` uses), and the AVX2
+    path forced where the CPU is above it: each with the dtype `auto` picks there (bf16
+    only where it is native)."""
+    from pdserve.model.cpu_isa import CpuIsa, detect
+
+    above_avx2 = detect() > CpuIsa.AVX2
+    reason = f"the CPU's own level is {detect().label}: the first case runs it"
+    avx2 = pytest.param("avx2", marks=pytest.mark.skipif(not above_avx2, reason=reason))
+    return [os.environ.get("PDSERVE_CPU_ISA", "auto"), avx2]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything() -> None:
+@pytest.mark.parametrize("cpu_level", _cpu_levels())
+def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(cpu_level: str) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
-           "--max-tokens", "16", "--ask", "What is the capital of France?"]  # fmt: skip
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--max-tokens", "16",
+           "--ask", "What is the capital of France?"]  # fmt: skip
+    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_CPU_ISA": cpu_level}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Paris" in done.stdout
