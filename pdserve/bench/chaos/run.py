@@ -231,6 +231,8 @@ async def _load_and_faults(
             chaos.faults.append(Fault("burst", "all", cluster.now_s(), cluster.now_s() + 1))
         elif kind in ("partition", "netem"):
             assert bed is not None
+            while chaos.faulting:  # see `_network_fault`
+                await asyncio.sleep(0.1)
             await _network_fault(chaos, bed, kind)
         else:  # a restart takes a while: the next fault does not wait for it
             slot = await _healthy_slot(chaos, role, rng)
@@ -285,7 +287,9 @@ def _inject(chaos: ChaosRun, slot: Slot, kind: str) -> None:
 
 async def _network_fault(chaos: ChaosRun, bed: NamespaceBed, kind: str) -> None:
     """The node-to-node link cut (partition) or degraded (netem) for a lease and a second:
-    long enough that unrenewed handoffs expire."""
+    long enough that unrenewed handoffs expire. Only while every node is up: a node that
+    restarts while its link is down cannot open its NIXL (UCX) context on the down device,
+    and its engine never starts (a slow restart on a loaded machine ran into the cut)."""
     cluster = chaos.cluster
     fault = Fault(kind, "prefill-decode link", cluster.now_s())
     if kind == "partition":
