@@ -92,18 +92,26 @@ def handoff_state(cluster: Cluster, kv: dict[str, Any]) -> str | None:
 
 
 def test_s5_cancel_while_queued_on_the_decode_node(cluster: Cluster) -> None:
-    with node(cluster.model, "--role", "decode", "--max-num-seqs", "1") as busy:
-        occupier, _ = occupy(busy)
-        wait_for(lambda: kv_state(busy)["num_running"] == 1, 10, "the occupier to run")
+    # The only seat is taken by a decode leg whose read is held open for 1.5 s (a plain
+    # 400-token request, the seat before, could end within the 0.5 s this test waits on an
+    # idle machine: the queued leg then ran and answered).
+    args = ("--role", "decode", "--max-num-seqs", "1", "--debug-kv-read-delay-s", "1.5")
+    with node(cluster.model, *args) as busy:
+        seat = completion(make_prompt(20, seed=98), max_tokens=4)
+        seat_kv = prefill_leg(cluster.prefill, seat)["kv_transfer_params"]
+        seated, _ = in_background(lambda: decode_leg(busy, seat, seat_kv))
+        wait_for(lambda: kv_state(busy)["num_loading"] == 1, 10, "the seat to be taken")
         body = completion(make_prompt(40, seed=5), max_tokens=4)
         kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
         with pytest.raises(httpx.TimeoutException):
             post(busy, "/v1/completions", {**body, "kv_transfer_params": kv}, timeout=0.5)
         assert kv_state(busy)["num_waiting"] <= 1
-        wait_idle(cluster.prefill, RELEASED_WITHIN_S + 0.2)  # well before the 2 s lease
-        post(busy, "/v1/abort_requests", {"request_ids": ["occupier"]})
-        occupier.join()
+        # Released well before the 2 s lease (the seat's own handoff is still being read).
+        wait_for(lambda: handoff_state(cluster, kv) is None, RELEASED_WITHIN_S + 0.2,
+                 "the queued leg's handoff to be released")  # fmt: skip
+        seated.join()
         wait_idle(busy, RELEASED_WITHIN_S)
+        wait_idle(cluster.prefill, RELEASED_WITHIN_S)
 
 
 def test_s10_killed_decode_node_with_a_queued_leg_frees_within_the_lease(cluster: Cluster) -> None:
