@@ -78,13 +78,13 @@ class Stage(enum.Enum):
     BETWEEN_LEGS = "between_legs"
     """The prefill answer is here (handoff held), the decode leg not yet sent."""
     DECODE = "decode"
-    """The decode leg is sent, its answer's head not yet back: for a stream, before the
-    first token (queued on the decode node, reading the KV, or its first step); otherwise
-    anywhere on the decode node until the answer is complete."""
+    """The decode leg is sent, its answer's head not yet back: before the first token
+    (queued on the decode node, reading the KV, or its first step). Every decode leg is
+    asked to stream, for clients that did not ask too."""
     STREAMING = "streaming"
     """The decode node streams tokens: the KV was read and decoding runs."""
     ANSWER = "answer"
-    """A non-streaming answer is being read."""
+    """A decode node that ignored `stream` answers with one JSON body, being read."""
 
 
 def client_request_id(request: Request) -> str:
@@ -300,7 +300,7 @@ async def _decode_answer(
     decode timeout then bounds the silence between tokens, so a long answer that keeps
     coming is never cut, and a node that stops producing is (504). A leg that failed,
     stalled or broke releases its handoff: the node may never get to (a no-op once read)."""
-    client.stage = Stage.ANSWER
+    client.stage = Stage.STREAMING if _streamed(response) else Stage.ANSWER
     try:
         data = await client.unless_gone(_read_answer(response))
     except UpstreamError as e:
@@ -323,13 +323,17 @@ async def _decode_answer(
 async def _read_answer(response: UpstreamResponse) -> dict[str, Any] | StreamAssembler:
     """The answer from an SSE body (the assembler itself if an error event ended it), or
     from one JSON body (a node that does not stream); UpstreamError if neither parses."""
-    if not response.headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+    if not _streamed(response):
         return _json_object(await response.read(), response)
     assembler = StreamAssembler()
     async for line in response.iter_lines():  # to the end: the connection is then reused
         if line.startswith(b"data: ") and line != b"data: [DONE]":
             assembler.add(_json_object(line[len(b"data: ") :], response))
     return assembler if assembler.error is not None else assembler.answer()
+
+
+def _streamed(response: UpstreamResponse) -> bool:
+    return response.headers.get(b"content-type", b"").startswith(b"text/event-stream")
 
 
 def _json_object(content: bytes, response: UpstreamResponse) -> dict[str, Any]:

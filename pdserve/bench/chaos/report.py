@@ -28,10 +28,9 @@ STAGE_LABELS = {
     "receiving": "at the proxy, before the request was read",
     "prefill": "on prefill: queued or running",
     "between_legs": "between legs",
-    "decode_stream": "on decode before the first token: queued, transfer or first step",
-    "decode": "on decode: queued, transfer or decoding (not streamed)",
+    "decode": "on decode before the first token: queued, transfer or first step",
     "streaming": "during decode",
-    "answer": "after the answer was complete",
+    "answer": "on decode, answering without a stream (a node that ignores stream)",
 }
 """The issue's stages: queued on prefill, during prefill, between legs, queued on decode,
 during transfer, during decode. The proxy sees the legs, not the queues inside a node."""
@@ -41,9 +40,9 @@ TARGET_ONLY = ("proxy", "prefill", "decode", "reference")
 RELEASE_EDGES_MS = (10, 20, 50, 100, 1000)
 
 
-def stage_label(stage: str | None, stream: bool) -> str:
-    if stage == "decode" and stream:
-        stage = "decode_stream"
+def stage_label(stage: str | None) -> str:
+    """The proxy reads every decode leg as a stream, for clients that did not ask for one
+    too: its stages mean the same for both kinds of client."""
     return STAGE_LABELS.get(stage or "", UNKNOWN_STAGE)
 
 
@@ -54,7 +53,7 @@ def cancels_by_stage(records: list[RequestRecord], stages: dict[str, str]) -> di
     for r in records:
         if r.departed_s is None:
             continue
-        label = stage_label(stages.get(r.request_id), r.stream)
+        label = stage_label(stages.get(r.request_id))
         row = out.setdefault(label, {"count": 0, "prefill_release_ms": []})
         row["count"] += 1
         ms = None if r.prefill_release_s is None else round(1000 * r.prefill_release_s, 1)
@@ -102,7 +101,7 @@ def _request_row(r: RequestRecord, stages: dict[str, str]) -> dict[str, Any]:
            "error": r.error[:200]}  # fmt: skip
     if r.departed_s is not None:
         row["departed_s"] = round(r.departed_s, 3)
-        row["stage"] = stage_label(stages.get(r.request_id), r.stream)
+        row["stage"] = stage_label(stages.get(r.request_id))
         row["prefill_release_s"] = r.prefill_release_s
     return row
 
