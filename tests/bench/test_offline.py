@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pdserve.bench import offline
+from pdserve.bench.cli import resolve_dtype_name
 from pdserve.cli import main
 
 
@@ -99,7 +100,8 @@ def test_vllm_peer_alternates_with_pdserve_and_reports_its_own_timings(
     first, *runs = log.read_text().splitlines()
     config = json.loads(first.removeprefix("config "))
     assert config["model_dir"] == str(model)  # a Hugging Face directory is used as it is
-    assert config["dtype"] == "bfloat16"
+    # `--dtype auto` reaches vLLM resolved, as the dtype pdserve runs in on this CPU
+    assert config["dtype"] == resolve_dtype_name("auto") in ("bfloat16", "float32")
     assert config["max_model_len"] == 7 and config["kv_cache_memory_bytes"] >= 1 << 30
     timed = ["pdserve 2 prompts [4, 4]", "vllm 2 prompts [4, 4]"]
     assert runs == [  # warm-ups, then the systems in turn, then vLLM told to end

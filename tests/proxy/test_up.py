@@ -21,14 +21,14 @@ from tests.api.conftest import free_port
 
 def _cpu_levels() -> list[Any]:
     """The machine's level as the environment leaves it (what `make run` uses), and the AVX2
-    path forced where the CPU is above it: each with the dtype `auto` picks there (bf16
+    path forced where that level is above it: each with the dtype `auto` picks there (bf16
     only where it is native)."""
-    from pdserve.model.cpu_isa import CpuIsa, detect
+    from pdserve.model.cpu_isa import CpuIsa, effective
 
-    above_avx2 = detect() > CpuIsa.AVX2
-    reason = f"the CPU's own level is {detect().label}: the first case runs it"
-    avx2 = pytest.param("avx2", marks=pytest.mark.skipif(not above_avx2, reason=reason))
-    return [os.environ.get("PDSERVE_CPU_ISA", "auto"), avx2]
+    own = os.environ.get("PDSERVE_CPU_ISA", "auto")
+    reason = f"the level here is already {effective().label}: the first case runs it"
+    skip = pytest.mark.skipif(effective() <= CpuIsa.AVX2, reason=reason)
+    return [pytest.param(own, id=own), pytest.param("avx2", id="forced-avx2", marks=skip)]
 
 
 @pytest.mark.slow
