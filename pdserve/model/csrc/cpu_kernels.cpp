@@ -24,6 +24,10 @@
 #error "cpu_kernels.cpp needs AVX512-BF16 (the Python side checks before building)"
 #endif
 
+#define PD_VEC_AVX512  // the float math (exp, transposed sums) of vec_x86.h, on 16 lanes
+#include "paged_decode.h"
+#include "vec_x86.h"
+
 typedef uint16_t bf16;
 
 namespace {
@@ -52,27 +56,8 @@ inline bf16 to_bf16(float f) {
   return static_cast<bf16>(u >> 16);
 }
 
-// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, then 2^n by
-// scalef. Relative error ~2e-7, well below bf16's resolution.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 2^x for x <= 0 (-inf included: 0) to ~5e-5 relative: softmax weights that are then
-// rounded to bf16 (2e-3), with log2(e) folded into the caller's scale. 8 ops to exp16's 13:
+// rounded to bf16 (2e-3), with log2(e) folded into the caller's scale. 8 ops to vec::exp's 13:
 // the prefill attention kernel's softmax is most of its time (1.24-1.46x from this alone).
 inline __m512 exp2_softmax(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
@@ -201,7 +186,7 @@ void pd_silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
     for (int64_t i = 0; i < I; i += 16) {
       __m512 gv = load16(g + i);
       __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                    exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                                                    vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       store16(out + t * I + i, _mm512_mul_ps(silu, load16(g + I + i)));
     }
   }
@@ -244,61 +229,30 @@ void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
 // values read in place through the block table (no gather into a scratch copy).
 // q[b] starts at q + b * q_stride with H heads of D; out is [B, H, D] contiguous.
 //
-// A task is one sequence and a range of its kv heads (all of them when there are enough
-// sequences to keep every thread busy, else one). Three passes over the sequence:
+// A task is one sequence and a range of its kv heads (paged_decode.h hands them out).
+// Three passes over the sequence:
 // 1. scores of every (kv head, query head) of the task, 16 keys at a time: the 16 keys'
 //    row addresses are looked up once and used by every head; each head's 16 dot-product
-//    vectors are reduced by one transpose-and-add (hsum16), not 16 horizontal sums;
+//    vectors are reduced by one transpose-and-add, not 16 horizontal sums;
 // 2. per head, exp(score - max) and its sum (an exact softmax over the whole row);
 // 3. each value row loaded and widened to fp32 once per kv head, then accumulated into
 //    all of that head's query heads (up to 16 independent FMA chains in registers); the
 //    softmax sum is divided out at the end.
-// A sequence's blocks are scattered over the cache, so the hardware prefetchers cannot
-// follow them: the first pass over K and over V prefetch the task's rows kPrefetchTokens
-// ahead. The old per-head loop (two passes per query head, an address lookup per key per
-// head, 4 FMA chains) read the mixed benchmark's KV at ~7.6 GB/s; this one at 13-17 GB/s
+// The first pass over K and over V prefetch the task's rows kPrefetchTokens ahead. The
+// old per-head loop (two passes per query head, an address lookup per key per head, 4 FMA
+// chains) read the mixed benchmark's KV at ~7.6 GB/s; this one at 13-17 GB/s
 // from memory, 22 GB/s from cache (docs/benchmarks.md). Scoring is now the larger half.
 
 }  // extern "C"
 
 namespace {
 
-// Lane i of the result = the sum of all lanes of x[j], where j = 4 * (i % 4) + i / 4
-// (the order the shuffle network leaves them in; callers store their inputs so).
-inline __m512 hsum16(const __m512* x) {
-  __m512 y[8], z[4];
-  for (int k = 0; k < 8; k++)
-    y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; k++)
-    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0xDD));
-  const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
-  const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]), _mm512_unpackhi_ps(z[2], z[3]));
-  const __m512d a = _mm512_castps_pd(w0), b = _mm512_castps_pd(w1);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-}
+using PagedSeq = paged::PagedSeq<bf16>;
+using paged::kPrefetchTokens;
 
-constexpr int64_t kPrefetchTokens = 32;  // 16 to 128 measured alike, within noise
-
-// One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
-// + s_kv. Block sizes are powers of two: shifts, not 40-cycle divisions.
-struct PagedSeq {
-  const bf16* kv;
-  int64_t s_block, s_kv, s_tok;
-  int block_shift;
-  const int64_t* table;
-  inline const bf16* row(int64_t t) const {
-    return kv + table[t >> block_shift] * s_block + (t & ((int64_t{1} << block_shift) - 1)) * s_tok;
-  }
-};
-
-// The task's heads [hk0, hk0 + nhk) of one row: bytes = nhk * D * 2.
-inline void prefetch_heads(const bf16* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
-}
+// The task's heads [hk0, hk0 + nhk) of one row: bytes = nhk * D * 2. (A name of its own:
+// accumulate_values has a parameter called prefetch_bytes.)
+inline void prefetch_heads(const bf16* row, int64_t bytes) { paged::prefetch_bytes(row, bytes); }
 
 // Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows to a
 // multiple of 16; the padding holds scores of a repeated last key, never read).
@@ -310,7 +264,7 @@ void score_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int6
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const bf16* key[16];
     for (int i = 0; i < 16; i++) {
-      const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order hsum16 expects
+      const int64_t t = t0 + 4 * (i % 4) + i / 4;  // the order transpose_add_shuffled leaves
       key[i] = seq.row(t < L ? t : L - 1) + hk0 * D;
     }
     for (int64_t t = t0 + kPrefetchTokens; t < t0 + kPrefetchTokens + 16 && t < L; t++)
@@ -328,7 +282,7 @@ void score_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int6
                                  qv[c]);
           part[i] = a;
         }
-        _mm512_storeu_ps(s + (h * G + g) * ls + t0, _mm512_mul_ps(hsum16(part), vscale));
+        _mm512_storeu_ps(s + (h * G + g) * ls + t0, _mm512_mul_ps(vec::transpose_add_shuffled(part), vscale));
       }
     }
   }
@@ -345,7 +299,7 @@ inline float exp_row(float* s, int64_t L) {
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
-    __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
+    __m512 e = _mm512_maskz_mov_ps(m, vec::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx)));
     _mm512_mask_storeu_ps(s + t, m, e);
     vsum = _mm512_add_ps(vsum, e);
   }
@@ -423,38 +377,6 @@ void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int
   }
 }
 
-template <int D>
-void decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
-                      int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
-                      int64_t H, int64_t Hkv, int64_t block_size, float scale) {
-  const int64_t G = H / Hkv;
-  // All of a sequence's kv heads in one task when there are enough sequences to keep every
-  // thread busy: a row holds all heads, so the sequence's KV then streams from memory once
-  // and in order. With few sequences (batch 1), a task is one (sequence, kv head).
-  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
-  const int64_t tasks_per_seq = Hkv / heads_per_task;
-  const int shift = __builtin_ctzll(block_size);
-  // Longest sequences first: a task's time is about its length, and handing the long ones
-  // out last can leave one thread finishing a long sequence while the other idles (12
-  // sequences of mixed lengths: 1.10x from this order alone; bit-identical output).
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; b++) order[b] = b;
-  std::stable_sort(order.begin(), order.end(),
-                   [seq_lens](int64_t a, int64_t c) { return seq_lens[a] > seq_lens[c]; });
-#pragma omp parallel
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * tasks_per_seq; task++) {
-      const int64_t b = order[task / tasks_per_seq];
-      const PagedSeq seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
-      attend_task<D>(q + b * q_stride, seq, seq_lens[b], (task % tasks_per_seq) * heads_per_task,
-                     heads_per_task, G, scale, scratch, out + b * H * D);
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -465,88 +387,47 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
                         int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
                         int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
                         int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-#define PD_DECODE(d)                                                                     \
-  case d:                                                                                \
-    decode_attention<d>(q, q_stride, kv, s_block, s_kv, s_tok, block_tables, max_blocks, \
-                        seq_lens, out, B, H, Hkv, block_size, scale);                    \
-    return 0;
-  switch (D) {
-    PD_DECODE(32)
-    PD_DECODE(64)
-    PD_DECODE(128)
-    PD_DECODE(256)
-    default: return -1;
-  }
-#undef PD_DECODE
+  const int64_t G = H / Hkv;
+  return paged::with_head_size(D, [&](auto head_size) {
+    constexpr int kD = decltype(head_size)::value;
+    paged::for_each_decode_task(
+        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
+        [&](int64_t b, const PagedSeq& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
+          attend_task<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
+                          out + b * H * D);
+        });
+  });
 }
 
-// ---------------------------------------------------------------------------------------
-// Every decoder layer of a decode-only step, in one call. The per-op path makes ~9 calls a
-// layer from Python (~270 a step for a 30-layer model), each costing ~15 microseconds of
-// interpreter, ctypes and allocation time: at batch 1 on the default model that was a
-// fifth of the step (19.1 -> 14.9 ms a step). This runs the same kernels in the same order
-// on the same values, so its output is bit-identical to the per-op path; it only removes
-// the round trips.
-//
-// Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); rotary + KV write;
-// attn = decode attention; o = attn Wo^T; h = add_rms_norm(x, o); act = silu_mul(h Wgu^T);
-// delta = act Wdown^T. x is the residual stream (updated in place); the last layer's
-// delta is written to delta_out (the caller adds it before the final norm).
-
-struct PdLayer {
-  const bf16* input_norm;
-  const bf16* qkv;
-  const bf16* qkv_bias;  // may be null
-  const bf16* o;
-  const bf16* post_norm;
-  const bf16* gate_up;
-  const bf16* down;
-  bf16* kv;  // this layer's cache, addressed with the strides below
-  // The four weights packed for the AMX linear (pd_linear_amx), or all null: then every
-  // linear takes the small-M kernel. The caller picks the table by the step's rows.
-  const bf16* qkv_amx;
-  const bf16* o_amx;
-  const bf16* gate_up_amx;
-  const bf16* down_amx;
-};
+// Every layer of a decode-only step in one call (paged_decode.h). A layer table's packed
+// weights are the AMX linear's tiles, or all null: then every linear takes the small-M
+// kernel. The caller picks the table by the step's rows.
 
 void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t M,
                    int64_t N, int64_t K);
 
-static inline void layer_linear(const bf16* x, const bf16* w, const bf16* packed,
-                                const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K) {
+static void step_linear(const bf16* x, const bf16* w, const bf16* packed, const bf16* bias,
+                        bf16* y, int64_t M, int64_t N, int64_t K) {
   if (packed)
     pd_linear_amx(x, packed, bias, y, M, N, K);
   else
     pd_linear_small(x, w, bias, y, M, N, K);
 }
 
-int pd_decode_layers(const PdLayer* layers, int64_t num_layers, bf16* x, bf16* delta_out,
-                     int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t inter, float eps, float scale, const float* cos,
+int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers, bf16* x,
+                     bf16* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
+                     int64_t D, int64_t inter, float eps, float scale, const float* cos,
                      const float* sin, const int64_t* positions, int64_t s_block,
                      int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
-  if (D != 32 && D != 64 && D != 128 && D != 256) return -1;
-  const int64_t width = (H + 2 * Hkv) * D;
-  std::vector<bf16> h(T * hidden), qkv(T * width), attn(T * H * D), gu(T * 2 * inter),
-      act(T * inter), o(T * hidden);
-  for (int64_t l = 0; l < num_layers; l++) {
-    const PdLayer& w = layers[l];
-    pd_add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), T, hidden, eps);
-    layer_linear(h.data(), w.qkv, w.qkv_amx, w.qkv_bias, qkv.data(), T, width, hidden);
-    pd_rotary_write_kv(qkv.data(), T, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
-                       s_tok, slot_blocks, slot_offsets);
-    pd_decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
-                        max_blocks, seq_lens, attn.data(), T, H, Hkv, D, block_size, scale);
-    layer_linear(attn.data(), w.o, w.o_amx, nullptr, o.data(), T, hidden, H * D);
-    pd_add_rms_norm(x, o.data(), w.post_norm, h.data(), T, hidden, eps);
-    layer_linear(h.data(), w.gate_up, w.gate_up_amx, nullptr, gu.data(), T, 2 * inter, hidden);
-    pd_silu_mul(gu.data(), act.data(), T, inter);
-    layer_linear(act.data(), w.down, w.down_amx, nullptr, delta_out, T, hidden, inter);
-  }
-  return 0;
+  static const paged::StepKernels<bf16> kernels{pd_add_rms_norm, step_linear,
+                                                pd_rotary_write_kv, pd_decode_attention,
+                                                pd_silu_mul};
+  return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
+                              inter, eps, scale, cos, sin, positions, s_block, s_kv, s_tok,
+                              slot_blocks, slot_offsets, block_tables, max_blocks, seq_lens,
+                              block_size);
 }
 
 }  // extern "C"

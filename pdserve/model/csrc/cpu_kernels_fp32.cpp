@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "paged_decode.h"
 #include "vec_x86.h"
 
 using vec::F;
@@ -201,37 +202,21 @@ void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D
 // values read in place through the block table. q[b] starts at q + b * q_stride with H
 // heads of D; out is [B, H, D] contiguous.
 //
-// A task is one sequence and a range of its kv heads (all of them when there are enough
-// sequences to keep every thread busy, else one). Three passes, as in the bf16 kernel:
+// A task is one sequence and a range of its kv heads (paged_decode.h hands them out).
+// Three passes, as in the bf16 kernel:
 // 1. scores of every (kv head, query head) of the task, kLanes keys at a time: the keys'
 //    row addresses are looked up once for all heads, and each head's kLanes dot-product
 //    vectors are summed by one transpose-and-add instead of kLanes horizontal sums;
 // 2. per query head, exp(score - max) and its sum (an exact softmax over the whole row);
 // 3. each value row accumulated into as many query heads as the registers hold, over a
 //    slice of at most 8 vectors of dimensions; the sum is divided out at the end.
-// The first pass over K and over V prefetch the task's rows kPrefetchTokens ahead: a
-// sequence's blocks are scattered over the cache, where the hardware prefetchers lose them.
+// The first pass over K and over V prefetch the task's rows kPrefetchTokens ahead.
 
 namespace {
 
-constexpr int64_t kPrefetchTokens = 32;
-
-// One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
-// + s_kv. Block sizes are powers of two: shifts, not divisions.
-struct PagedSeq {
-  const float* kv;
-  int64_t s_block, s_kv, s_tok;
-  int block_shift;
-  const int64_t* table;
-  inline const float* row(int64_t t) const {
-    return kv + table[t >> block_shift] * s_block + (t & ((int64_t{1} << block_shift) - 1)) * s_tok;
-  }
-};
-
-inline void prefetch_bytes(const float* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t c = 0; c < bytes; c += 64) vec::prefetch(p + c);
-}
+using PagedSeq = paged::PagedSeq<float>;
+using paged::kPrefetchTokens;
+using paged::prefetch_bytes;
 
 // Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows padded
 // to ls, a multiple of kLanes; the padding is overwritten by pass 2).
@@ -342,35 +327,6 @@ void attend_task(const float* q, const PagedSeq& seq, int64_t L, int64_t hk0, in
   }
 }
 
-template <int D>
-void decode_attention(const float* q, int64_t q_stride, const float* kv, int64_t s_block,
-                      int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
-                      int64_t H, int64_t Hkv, int64_t block_size, float scale) {
-  const int64_t G = H / Hkv;
-  // All of a sequence's kv heads in one task when there are enough sequences to keep every
-  // thread busy (its KV then streams from memory once, in order); else one kv head a task.
-  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
-  const int64_t tasks_per_seq = Hkv / heads_per_task;
-  const int shift = __builtin_ctzll(block_size);
-  // Longest sequences first, so the dynamic schedule ends evenly.
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; b++) order[b] = b;
-  std::stable_sort(order.begin(), order.end(),
-                   [seq_lens](int64_t a, int64_t c) { return seq_lens[a] > seq_lens[c]; });
-#pragma omp parallel
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * tasks_per_seq; task++) {
-      const int64_t b = order[task / tasks_per_seq];
-      const PagedSeq seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
-      attend_task<D>(q + b * q_stride, seq, seq_lens[b], (task % tasks_per_seq) * heads_per_task,
-                     heads_per_task, G, scale, scratch, out + b * H * D);
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -381,67 +337,39 @@ int pd_decode_attention(const float* q, int64_t q_stride, const float* kv, int64
                         int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
                         int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
                         int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-#define PD_DECODE(d)                                                                     \
-  case d:                                                                                \
-    decode_attention<d>(q, q_stride, kv, s_block, s_kv, s_tok, block_tables, max_blocks, \
-                        seq_lens, out, B, H, Hkv, block_size, scale);                    \
-    return 0;
-  switch (D) {
-    PD_DECODE(32)
-    PD_DECODE(64)
-    PD_DECODE(128)
-    PD_DECODE(256)
-    default: return -1;
-  }
-#undef PD_DECODE
+  const int64_t G = H / Hkv;
+  return paged::with_head_size(D, [&](auto head_size) {
+    constexpr int kD = decltype(head_size)::value;
+    paged::for_each_decode_task(
+        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
+        [&](int64_t b, const PagedSeq& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
+          attend_task<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
+                          out + b * H * D);
+        });
+  });
 }
 
-// ---------------------------------------------------------------------------------------
-// Every decoder layer of a decode-only step in one call: the kernels above in the order
-// of the per-op path, on the same values, so the output is bit-identical to it; only the
-// ~9 Python round trips a layer are gone. Per layer: h = add_rms_norm(x, delta);
-// qkv = h Wqkv^T (+ b); rotary + KV write; attn = decode attention; o = attn Wo^T;
-// h = add_rms_norm(x, o); act = silu_mul(h Wgu^T); delta = act Wdown^T. x is the residual
-// stream (updated in place); the last layer's delta is written to delta_out.
+// Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
+// pointers stay null here.
+static void step_linear(const float* x, const float* w, const float*, const float* bias,
+                        float* y, int64_t M, int64_t N, int64_t K) {
+  pd_linear_small(x, w, bias, y, M, N, K);
+}
 
-struct PdLayer {  // the bf16 library's layout; the four packed-weight pointers stay null
-  const float* input_norm;
-  const float* qkv;
-  const float* qkv_bias;  // may be null
-  const float* o;
-  const float* post_norm;
-  const float* gate_up;
-  const float* down;
-  float* kv;
-  const void* unused_packed[4];
-};
-
-int pd_decode_layers(const PdLayer* layers, int64_t num_layers, float* x, float* delta_out,
-                     int64_t T, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t inter, float eps, float scale, const float* cos,
+int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,
+                     float* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
+                     int64_t D, int64_t inter, float eps, float scale, const float* cos,
                      const float* sin, const int64_t* positions, int64_t s_block,
                      int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
-  if (D != 32 && D != 64 && D != 128 && D != 256) return -1;
-  const int64_t width = (H + 2 * Hkv) * D;
-  std::vector<float> h(T * hidden), qkv(T * width), attn(T * H * D), gu(T * 2 * inter),
-      act(T * inter), o(T * hidden);
-  for (int64_t l = 0; l < num_layers; l++) {
-    const PdLayer& w = layers[l];
-    pd_add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), T, hidden, eps);
-    pd_linear_small(h.data(), w.qkv, w.qkv_bias, qkv.data(), T, width, hidden);
-    pd_rotary_write_kv(qkv.data(), T, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
-                       s_tok, slot_blocks, slot_offsets);
-    pd_decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
-                        max_blocks, seq_lens, attn.data(), T, H, Hkv, D, block_size, scale);
-    pd_linear_small(attn.data(), w.o, nullptr, o.data(), T, hidden, H * D);
-    pd_add_rms_norm(x, o.data(), w.post_norm, h.data(), T, hidden, eps);
-    pd_linear_small(h.data(), w.gate_up, nullptr, gu.data(), T, 2 * inter, hidden);
-    pd_silu_mul(gu.data(), act.data(), T, inter);
-    pd_linear_small(act.data(), w.down, nullptr, delta_out, T, hidden, inter);
-  }
-  return 0;
+  static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear,
+                                                 pd_rotary_write_kv, pd_decode_attention,
+                                                 pd_silu_mul};
+  return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
+                              inter, eps, scale, cos, sin, positions, s_block, s_kv, s_tok,
+                              slot_blocks, slot_offsets, block_tables, max_blocks, seq_lens,
+                              block_size);
 }
 
 }  // extern "C"

@@ -45,8 +45,10 @@ inline F pow2i(F n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 
-// Lane i of the result = the sum of all lanes of x[i], for i < kLanes.
-inline F transpose_add(const F* x) {
+// Lane i of the result = the sum of all lanes of x[j], where j = 4 (i % 4) + i / 4: the
+// order the shuffle network leaves them in. Callers that can store their inputs in that
+// order (the bf16 decode attention does) skip transpose_add's permute.
+inline F transpose_add_shuffled(const F* x) {
   __m512 y[8], z[4];
   for (int k = 0; k < 8; k++)
     y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x44),
@@ -57,11 +59,14 @@ inline F transpose_add(const F* x) {
   const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
   const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]), _mm512_unpackhi_ps(z[2], z[3]));
   const __m512d a = _mm512_castps_pd(w0), b = _mm512_castps_pd(w1);
-  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  // The shuffle network leaves input j's sum in lane 4 (j % 4) + j / 4: undo that.
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// Lane i of the result = the sum of all lanes of x[i], for i < kLanes.
+inline F transpose_add(const F* x) {
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, s);
+  return _mm512_permutexvar_ps(order, transpose_add_shuffled(x));
 }
 
 #else  // AVX2 + FMA
