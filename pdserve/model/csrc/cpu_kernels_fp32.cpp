@@ -41,11 +41,6 @@ namespace {
 // the weights on every call at these shapes.
 
 constexpr int kR = vec::kTileWeights;
-// One row of x (batch-1 decode) is bound by how fast the weights stream in, not by the
-// FMAs: 8 weight rows a group, 8 streams in flight, and no software prefetch read the
-// default model's weights at 73-77 GB/s against 65-67 with 3 rows and the prefetch that
-// helps 2-128 rows (2 threads, AVX2, a 2-core EPYC whose copy bandwidth is ~77 GB/s).
-constexpr int kRowsM1 = 8;
 constexpr int kFloatsPerLine = 64 / sizeof(float);
 
 template <int MT, int R, bool kPrefetch>
@@ -101,15 +96,41 @@ inline void linear_group(const float* x, const float* w, const float* bias, floa
 }
 
 // Weight rows in groups of R, the groups split between the threads.
-template <int R, bool kPrefetch>
+template <int R>
 void linear_groups(const float* x, const float* w, const float* bias, float* y, int64_t M,
                    int64_t N, int64_t K) {
   const int64_t groups = N / R;
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; g++)
-    linear_group<R>(x, w, bias, y, M, N, K, g * R, kPrefetch && g + 1 < groups);
+    linear_group<R>(x, w, bias, y, M, N, K, g * R, g + 1 < groups);
   for (int64_t n = groups * R; n < N; n++)  // rows left over when N % R != 0
     linear_group<1>(x, w, bias, y, M, N, K, n, false);
+}
+
+// One row of x (batch-1 decode) is bound by how fast the weights stream in, not by the
+// FMAs. One weight row at a time, in storage order, with kChainsM1 independent FMA chains
+// along K: each thread then reads a single sequential stream, which the hardware
+// prefetchers follow best. The default model's decode-step weights (538 MB, 2 threads,
+// AVX2 forced on a 2-core AVX512-BF16 EPYC whose copy bandwidth is ~80 GB/s):
+// 6.6-6.8 ms (79-81 GB/s), against 7.7-8.3 ms for 8 rows interleaved and 8.4-9.0 ms with
+// software prefetch added to either (bench/linear_m1_probe.cpp).
+constexpr int kChainsM1 = 4;
+
+void linear_m1(const float* x, const float* w, const float* bias, float* y, int64_t N,
+               int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const float* wn = w + n * K;
+    F acc[kChainsM1];
+    for (int c = 0; c < kChainsM1; c++) acc[c] = vec::zero();
+    int64_t k = 0;
+    for (; k + kChainsM1 * kLanes <= K; k += kChainsM1 * kLanes)
+      for (int c = 0; c < kChainsM1; c++)
+        acc[c] = vec::fmadd(vec::load(wn + k + c * kLanes), vec::load(x + k + c * kLanes), acc[c]);
+    for (; k < K; k += kLanes) acc[0] = vec::fmadd(vec::load(wn + k), vec::load(x + k), acc[0]);
+    for (int c = 1; c < kChainsM1; c++) acc[0] = vec::add(acc[0], acc[c]);
+    y[n] = vec::reduce_add(acc[0]) + (bias ? bias[n] : 0.0f);
+  }
 }
 
 }  // namespace
@@ -119,9 +140,9 @@ extern "C" {
 void pd_linear_small(const float* x, const float* w, const float* bias, float* y, int64_t M,
                      int64_t N, int64_t K) {
   if (M == 1)
-    linear_groups<kRowsM1, false>(x, w, bias, y, M, N, K);
+    linear_m1(x, w, bias, y, N, K);
   else
-    linear_groups<kR, true>(x, w, bias, y, M, N, K);
+    linear_groups<kR>(x, w, bias, y, M, N, K);
 }
 
 // ---------------------------------------------------------------------------------------
