@@ -102,9 +102,18 @@ def _serve(args: argparse.Namespace) -> int:
     client = AsyncEngineClient(config)
     name = args.served_model_name or args.model
     asyncio.run(
-        run_server(client, args.host, args.port, api_key, name, args.drain_timeout_s,
-                   args.advertise_host, args.parent_pid, args.debug_step_delay_s)
-    )  # fmt: skip
+        run_server(
+            client,
+            args.host,
+            args.port,
+            api_key,
+            name,
+            args.drain_timeout_s,
+            args.advertise_host,
+            args.parent_pid,
+            args.debug_step_delay_s,
+        )
+    )
     return 0
 
 
@@ -131,16 +140,20 @@ def _proxy(args: argparse.Namespace) -> int:
 
 def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--log-level", default=None, choices=logs.LEVELS,
+        "--log-level",
+        default=None,
+        choices=logs.LEVELS,
         help="default: PDSERVE_LOG_LEVEL, else info; debug adds every HTTP client request",
-    )  # fmt: skip
+    )
 
 
 def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--parent-pid", type=int, default=None,
+        "--parent-pid",
+        type=int,
+        default=None,
         help="drain and exit once this process is gone (launchers such as `pdserve up` set it)",
-    )  # fmt: skip
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,26 +185,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level_arg(srv)
     pd = srv.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
-        "--role", default="both", choices=["both", "prefill", "decode"],
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
         help="both: a whole node; prefill: holds prompts' KV for decode nodes; decode: pulls it",
-    )  # fmt: skip
+    )
     pd.add_argument(
-        "--advertise-host", default=None,
+        "--advertise-host",
+        default=None,
         help="prefill: the address decode nodes use to reach this node (remote_host); "
         "default: --host, or this machine's address when --host is 0.0.0.0",
-    )  # fmt: skip
+    )
     pd.add_argument("--lease-s", type=float, default=5.0, help="prefill: unrenewed handoff life")
     pd.add_argument("--claim-timeout-s", type=float, default=10.0, help="prefill: longest read")
     pd.add_argument(
-        "--kv-load-failure", default="recompute", choices=["recompute", "fail"],
+        "--kv-load-failure",
+        default="recompute",
+        choices=["recompute", "fail"],
         help="decode: what to do when a claim is refused or a read fails",
-    )  # fmt: skip
+    )
     pd.add_argument("--kv-transport", default="nixl", choices=["nixl", "inprocess"])
     pd.add_argument("--debug-kv-read-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     pd.add_argument(
-        "--cluster-secret", default=None,
+        "--cluster-secret",
+        default=None,
         help="bearer credential between nodes (or PDSERVE_CLUSTER_SECRET; default: the API key)",
-    )  # fmt: skip
+    )
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
@@ -203,14 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
     prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
     prx.add_argument("--prefill-timeout-s", type=float, default=300.0)
-    prx.add_argument("--decode-timeout-s", type=float, default=300.0,
-                     help="longest silence of a decode leg (until its first token, then between "
-                          "tokens); an answer that keeps coming is never cut")  # fmt: skip
+    prx.add_argument(
+        "--decode-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest silence of a decode leg (until its first token, then between "
+        "tokens); an answer that keeps coming is never cut",
+    )
     prx.add_argument("--health-interval-s", type=float, default=1.0)
     add_parent_pid_arg(prx)
     add_log_level_arg(prx)
-    prx.add_argument("--debug-delay-between-legs-s", type=float, default=0.0,
-                     help=argparse.SUPPRESS)  # fmt: skip
+    prx.add_argument(
+        "--debug-delay-between-legs-s", type=float, default=0.0, help=argparse.SUPPRESS
+    )
     prx.set_defaults(func=_proxy)
 
     from pdserve.proxy.up import add_parser as add_up_parser

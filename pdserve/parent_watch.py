@@ -54,8 +54,9 @@ class ParentWatch:
     async def stop_when_gone(self, stop: Callable[[], None], what: str) -> None:
         """Run `stop` (the same path as SIGTERM) once the parent is gone."""
         await self.wait_gone()
-        logger.warning("%s: the process that started it (pid %d) is gone: stopping",
-                       what, self.parent_pid)  # fmt: skip
+        logger.warning(
+            "%s: the process that started it (pid %d) is gone: stopping", what, self.parent_pid
+        )
         stop()
 
 

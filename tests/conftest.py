@@ -29,8 +29,9 @@ TINY_ARCHS = ("llama", "qwen2", "mistral")
 _HTTP_PROPERTIES = dict(
     deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-settings.register_profile("ci", max_examples=20, derandomize=True, database=None,
-                          **_HTTP_PROPERTIES)  # fmt: skip
+settings.register_profile(
+    "ci", max_examples=20, derandomize=True, database=None, **_HTTP_PROPERTIES
+)
 settings.register_profile("soak", max_examples=300, **_HTTP_PROPERTIES)
 settings.load_profile("ci")
 
@@ -72,10 +73,14 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], t
     """HF transformers' greedy continuation (ignoring EOS) and its raw logits [max_new, V]."""
     eos = model.config.eos_token_id
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-        do_sample=False, output_logits=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
         pad_token_id=(eos[0] if isinstance(eos, list) else eos) or 0,
-    )  # fmt: skip
+    )
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 

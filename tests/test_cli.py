@@ -12,8 +12,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING"}
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", *args],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_generate_capital_of_france() -> None:

@@ -21,8 +21,17 @@ HEALTH_INTERVAL_S = 0.2
 
 
 def start_proxy(cluster: Cluster, decode_url: str, log: Path, *extra: str) -> Node:
-    args = ["--api-key", API_KEY, "--health-interval-s", str(HEALTH_INTERVAL_S),
-            "--prefill", cluster.prefill.url, "--decode", decode_url, *extra]  # fmt: skip
+    args = [
+        "--api-key",
+        API_KEY,
+        "--health-interval-s",
+        str(HEALTH_INTERVAL_S),
+        "--prefill",
+        cluster.prefill.url,
+        "--decode",
+        decode_url,
+        *extra,
+    ]
     with log.open("wb") as output:  # the child keeps its own descriptor
         proxy = launch(args, env={"PDSERVE_LOG_LEVEL": "INFO"}, command="proxy", output=output)
     return wait_healthy(proxy, timeout_s=60)
@@ -51,8 +60,9 @@ def test_an_idle_proxy_is_quiet_and_a_restarted_node_logs_one_down_and_one_up(
         assert len(idle) == 1 and "proxy on http://" in idle[0], idle  # the start, then nothing
         kill(decode)
         wait_until(lambda: num_decode_up(proxy) == 0, "the proxy sees the node down")
-        decode = start_server(*node_args(cluster.model, "--role", "decode"),
-                              port=int(decode.url.rsplit(":", 1)[1]))  # fmt: skip
+        decode = start_server(
+            *node_args(cluster.model, "--role", "decode"), port=int(decode.url.rsplit(":", 1)[1])
+        )
         wait_until(lambda: num_decode_up(proxy) == 1, "the proxy sees the node up again")
         time.sleep(5 * HEALTH_INTERVAL_S)
         lines = log.read_text().splitlines()[1:]

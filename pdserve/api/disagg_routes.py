@@ -158,11 +158,11 @@ async def abort_requests(state: ServerState, request: Request) -> Response:
     if token is not None and not isinstance(token, str):
         raise InvalidRequestError("release_token must be a string", param="release_token")
     if not admin and not token:
-        return error_response(401, "the admin API key or a release token is required",
-                              "authentication_error")  # fmt: skip
+        return error_response(
+            401, "the admin API key or a release token is required", "authentication_error"
+        )
     if not admin and not _token_covers(state, ids, str(token)):
-        return error_response(403, "the release token does not cover every id",
-                              "permission_error")  # fmt: skip
+        return error_response(403, "the release token does not cover every id", "permission_error")
     results = {i: "not_found" for i in ids}
     running = {i: state.live.resolve(i) for i in ids} if admin else {}
     running_ids = sorted(set().union(*running.values()))

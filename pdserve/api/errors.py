@@ -79,8 +79,9 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
             if len(body) > max_bytes:
                 raise too_large
     except ClientDisconnect as e:  # gone before its body arrived: nothing to answer
-        raise StatusError("client closed the request", status=499,
-                          error_type="client_closed_request") from e  # fmt: skip
+        raise StatusError(
+            "client closed the request", status=499, error_type="client_closed_request"
+        ) from e
     return parse_json_object(bytes(body))
 
 

@@ -121,9 +121,13 @@ async def run_server(
             observer,
         )
     config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level=logs.uvicorn_level(), lifespan="off",
+        create_app(state),
+        host=host,
+        port=port,
+        log_level=logs.uvicorn_level(),
+        lifespan="off",
         timeout_graceful_shutdown=_FINAL_GRACE_S,
-    )  # fmt: skip
+    )
     server = _DrainingServer(config, state, drain_timeout_s)
     serving = asyncio.create_task(server.serve())
     sweeper = watcher = None

@@ -17,8 +17,8 @@ from pdserve.engine.core_messages import EngineStats
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 
 
 class MetricsRecorder:
@@ -63,16 +63,21 @@ class MetricsRecorder:
         for reason in RELEASE_REASONS:  # export zeros, so rates work from the start
             self.handoffs_released.labels(reason)
         self.release_seconds = Histogram(
-            "pdserve_handoff_release_seconds", "Release trigger to blocks free, by reason",
-            ["reason"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "pdserve_handoff_release_seconds",
+            "Release trigger to blocks free, by reason",
+            ["reason"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV bytes read from prefill nodes", registry=r
         )
         self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "Duration of one KV read", buckets=_LATENCY_BUCKETS,
+            "pdserve_kv_transfer_seconds",
+            "Duration of one KV read",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.model_name = model_name
 
     def record_transfers(self, transfers: list[tuple[int, float]]) -> None:

@@ -27,22 +27,35 @@ ABORT_BODY = {
     "type": "object",
     "required": ["request_ids"],
     "properties": {
-        "request_ids": {"type": "array", "items": {"type": "string", "minLength": 1},
-                        "minItems": 1, "maxItems": 1024,
-                        "description": "server request ids, X-Request-Ids or handoff ids"},
-        "release_token": {"type": "string",
-                          "description": "instead of the admin key: this handoff's token"},
+        "request_ids": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+            "maxItems": 1024,
+            "description": "server request ids, X-Request-Ids or handoff ids",
+        },
+        "release_token": {
+            "type": "string",
+            "description": "instead of the admin key: this handoff's token",
+        },
     },
-}  # fmt: skip
+}
 ERROR = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
-                             "properties": {"message": {"type": "string"},
-                                            "type": {"type": "string"},
-                                            "param": {"type": ["string", "null"]},
-                                            "code": {"type": ["integer", "null"]}}}},
-}  # fmt: skip
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "null"]},
+            },
+        }
+    },
+}
 SUMMARIES = {
     "/v1/completions": "OpenAI completions (SSE when stream is true)",
     "/v1/chat/completions": "OpenAI chat completions (SSE when stream is true)",
@@ -84,16 +97,20 @@ def openapi_document(routes: list[Any], title: str, open_paths: tuple[str, ...])
 def _operation(path: str, schemas: dict[str, Any]) -> dict[str, Any]:
     summary = SUMMARIES.get(path, "node-to-node control channel (cluster credential)")
     error_schema = {"schema": {"$ref": REF.format(model="Error")}}
-    error = {"description": "an error in the OpenAI schema",
-             "content": {"application/json": error_schema}}  # fmt: skip
+    error = {
+        "description": "an error in the OpenAI schema",
+        "content": {"application/json": error_schema},
+    }
     operation: dict[str, Any] = {
         "summary": summary,
         "responses": {"200": {"description": "OK"}, "4XX": error, "5XX": error},
     }
     body = _body_schema(path, schemas)
     if body is not None:
-        operation["requestBody"] = {"required": True,
-                                    "content": {"application/json": {"schema": body}}}  # fmt: skip
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": body}},
+        }
     return operation
 
 
@@ -102,8 +119,9 @@ def _body_schema(path: str, schemas: dict[str, Any]) -> dict[str, Any] | None:
     if model is not None:
         schema = model.model_json_schema(ref_template=REF)
         used = json.dumps(schema)  # ChatMessage, the parsed form, is not what clients send
-        schemas.update((k, v) for k, v in schema.pop("$defs", {}).items()
-                       if REF.format(model=k) in used)  # fmt: skip
+        schemas.update(
+            (k, v) for k, v in schema.pop("$defs", {}).items() if REF.format(model=k) in used
+        )
         schemas[model.__name__] = schema
         return {"$ref": REF.format(model=model.__name__)}
     if path == "/v1/abort_requests":

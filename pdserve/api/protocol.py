@@ -124,15 +124,18 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
     if role is None:
         raise InvalidRequestError(f"missing required parameter {where}.role", param=f"{where}.role")
     if role not in ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
-                                  param=f"{where}.role")  # fmt: skip
+        raise InvalidRequestError(
+            f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role"
+        )
     if role == "tool":
-        raise InvalidRequestError(f"{where}: tool messages are not supported: {NO_TOOLS}",
-                                  param=f"{where}.role")  # fmt: skip
+        raise InvalidRequestError(
+            f"{where}: tool messages are not supported: {NO_TOOLS}", param=f"{where}.role"
+        )
     for field in ("tool_calls", "function_call"):
         if raw.get(field) not in (None, []):
-            raise InvalidRequestError(f"{where}.{field} is not supported: {NO_TOOLS}",
-                                      param=f"{where}.{field}")  # fmt: skip
+            raise InvalidRequestError(
+                f"{where}.{field} is not supported: {NO_TOOLS}", param=f"{where}.{field}"
+            )
     name = raw.get("name")
     if name is not None and not isinstance(name, str):
         raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name")
@@ -144,21 +147,25 @@ def _message_text(content: Any, where: str, assistant: bool) -> str:
     """A message's `content`: a string, or a non-empty list of text parts (an assistant's
     may also hold refusal parts), joined."""
     if content is None:
-        raise InvalidRequestError(f"missing required parameter {where} (a string or a list "
-                                  "of text parts)", param=where)  # fmt: skip
+        raise InvalidRequestError(
+            f"missing required parameter {where} (a string or a list of text parts)", param=where
+        )
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise InvalidRequestError(f"{where} must be a string or a non-empty list of text parts",
-                                  param=where)  # fmt: skip
+        raise InvalidRequestError(
+            f"{where} must be a string or a non-empty list of text parts", param=where
+        )
     texts = []
     for i, part in enumerate(content):
         at = f"{where}[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
         field = "refusal" if kind == "refusal" and assistant else "text"
         if kind != field:
-            raise InvalidRequestError(f"{at}.type must be 'text' (this server reads text only); "
-                                      f"got {kind!r}", param=f"{at}.type")  # fmt: skip
+            raise InvalidRequestError(
+                f"{at}.type must be 'text' (this server reads text only); got {kind!r}",
+                param=f"{at}.type",
+            )
         text = part.get(field)
         if not isinstance(text, str):
             raise InvalidRequestError(f"{at}.{field} must be a string", param=f"{at}.{field}")
@@ -167,8 +174,11 @@ def _message_text(content: Any, where: str, assistant: bool) -> str:
 
 
 def _text_part(field: str) -> JsonDict:
-    return {"type": "object", "required": ["type", field],
-            "properties": {"type": {"const": field}, field: {"type": "string"}}}  # fmt: skip
+    return {
+        "type": "object",
+        "required": ["type", field],
+        "properties": {"type": {"const": field}, field: {"type": "string"}},
+    }
 
 
 _PARTS: JsonDict = {
@@ -211,9 +221,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _refuse_what_is_not_served(self) -> ChatCompletionRequest:
-        for field, allowed in (("tools", (None, [])), ("functions", (None, [])),
-                               ("tool_choice", (None, "none")),
-                               ("function_call", (None, "none"))):  # fmt: skip
+        for field, allowed in (
+            ("tools", (None, [])),
+            ("functions", (None, [])),
+            ("tool_choice", (None, "none")),
+            ("function_call", (None, "none")),
+        ):
             if getattr(self, field) not in allowed:
                 message = f"parameter {field} is not supported: {NO_TOOLS}"
                 raise InvalidRequestError(message, param=field)

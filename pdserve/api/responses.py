@@ -57,18 +57,22 @@ class ChoiceBuilder:
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = f"{self._object}.chunk" if chunk and self.chat else self._object
         return {
-            "id": self.request_id, "object": kind, "created": self.created,
-            "model": self.model, "choices": choices,
-        }  # fmt: skip
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage(self, output: RequestOutput) -> dict[str, Any]:
         prompt = len(output.prompt_token_ids)
         completion = sum(len(c.token_ids) for c in output.outputs)
         return {
-            "prompt_tokens": prompt, "completion_tokens": completion,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
-        }  # fmt: skip
+        }
 
     def full_response(self, output: RequestOutput) -> dict[str, Any]:
         choices = [self._full_choice(c) for c in output.outputs]

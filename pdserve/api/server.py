@@ -139,8 +139,9 @@ class ServerState:
                 self._control.release, remote.control_url, remote.ref, "rejected"
             )
         except ControlError as e:
-            logger.warning("could not release handoff %s: %s (its lease frees it)",
-                           remote.ref.handoff_id, e)  # fmt: skip
+            logger.warning(
+                "could not release handoff %s: %s (its lease frees it)", remote.ref.handoff_id, e
+            )
 
 
 def _compute(state: ServerState) -> dict[str, str | None] | None:
@@ -156,9 +157,14 @@ def create_app(state: ServerState) -> Starlette:
         return await _serve(state, request, ChatCompletionRequest, chat=True)
 
     async def models(request: Request) -> Response:
-        card = {"id": state.model_name, "object": "model", "created": int(state.started_s),
-                "owned_by": "pdserve", "max_model_len": state.client.max_model_len,
-                "compute": _compute(state)}  # fmt: skip
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started_s),
+            "owned_by": "pdserve",
+            "max_model_len": state.client.max_model_len,
+            "compute": _compute(state),
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
@@ -176,15 +182,22 @@ def create_app(state: ServerState) -> Starlette:
     async def admin_kv(request: Request) -> Response:
         s = state.client.stats
         handoffs = state.handoffs.snapshot() if state.handoffs else []
-        return JSONResponse({
-            "role": state.role, "compute": _compute(state),
-            "num_blocks": s.num_blocks, "num_free_blocks": s.num_free_blocks,
-            "num_held_blocks": s.num_held_blocks, "num_running": s.num_running,
-            "num_waiting": s.num_waiting, "num_loading": s.num_loading,
-            "num_preemptions": s.num_preemptions,
-            "num_handoffs": len(handoffs), "handoffs": handoffs,
-            "handoff_counters": dict(state.handoffs.table.counters) if state.handoffs else {},
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "role": state.role,
+                "compute": _compute(state),
+                "num_blocks": s.num_blocks,
+                "num_free_blocks": s.num_free_blocks,
+                "num_held_blocks": s.num_held_blocks,
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+                "num_loading": s.num_loading,
+                "num_preemptions": s.num_preemptions,
+                "num_handoffs": len(handoffs),
+                "handoffs": handoffs,
+                "handoff_counters": dict(state.handoffs.table.counters) if state.handoffs else {},
+            }
+        )
 
     async def openapi(request: Request) -> Response:
         title = f"pdserve node ({state.role})"
@@ -296,8 +309,9 @@ async def _serve(
         data = await read_json(request, MAX_BODY_BYTES)
         kv = _kv_transfer(state, data)
         if not state.ready or state.draining:
-            raise StatusError("the server is starting or draining", status=503,
-                              error_type="service_unavailable")  # fmt: skip
+            raise StatusError(
+                "the server is starting or draining", status=503, error_type="service_unavailable"
+            )
         body = _validate(data, model)
         if body.model not in (None, state.model_name):
             raise StatusError(
@@ -306,8 +320,9 @@ async def _serve(
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
         inputs = _engine_inputs(body, chat)  # before a prefill leg's handoff is minted
         if isinstance(kv, RemoteDecode) and body.stream:
-            raise InvalidRequestError("a prefill leg (do_remote_decode) cannot stream",
-                                      param="stream")  # fmt: skip
+            raise InvalidRequestError(
+                "a prefill leg (do_remote_decode) cannot stream", param="stream"
+            )
     except PdserveError as e:
         if isinstance(kv, RemotePrefill):
             await state.release_rejected(kv)
@@ -318,8 +333,7 @@ async def _serve(
     keep_registered = False
     try:
         if isinstance(kv, RemoteDecode):
-            return await _serve_prefill_leg(state, request, inputs, builder, kv,
-                                            client_request_id)  # fmt: skip
+            return await _serve_prefill_leg(state, request, inputs, builder, kv, client_request_id)
         response = await _generate(state, request, body, inputs, builder, kv)
         keep_registered = isinstance(response, StreamingResponse)  # the stream unregisters
         return response
@@ -367,9 +381,11 @@ async def _generate(
             state.live.remove(request_id, client_request_id)
 
         return StreamingResponse(
-            _sse(state, builder, first, outputs), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"}, background=BackgroundTask(finish_stream),
-        )  # fmt: skip
+            _sse(state, builder, first, outputs),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(finish_stream),
+        )
     try:
         final = await _last_or_disconnect(request, first, outputs)
     except PdserveError as e:  # the engine process died, or the server aborted it
@@ -390,8 +406,9 @@ async def _serve_prefill_leg(
 ) -> Response:
     """One token, then the prompt's KV stays pinned under a new handoff whose params the
     answer carries. EOS and stop strings are ignored: the leg exists for its KV (S18)."""
-    builder.params = replace(builder.params, max_tokens=1, min_tokens=0, ignore_eos=True,
-                             stop=(), stop_token_ids=())  # fmt: skip
+    builder.params = replace(
+        builder.params, max_tokens=1, min_tokens=0, ignore_eos=True, stop=(), stop_token_ids=()
+    )
     service = state.handoffs
     assert service is not None  # a prefill leg is only accepted by a prefill node
     handoff = service.begin(builder.request_id, client_request_id, kv.release_token)

@@ -311,8 +311,11 @@ class DecodeConnector(KVConnector):
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
-                waiting = [ld for ld in self._loads.values()
-                           if not ld.claimed and ld.state is not LoadState.ENDED]  # fmt: skip
+                waiting = [
+                    ld
+                    for ld in self._loads.values()
+                    if not ld.claimed and ld.state is not LoadState.ENDED
+                ]
             due = [ld for ld in waiting if now >= ld.renewed_s + ld.remote.lease_s / 4]
             by_node: dict[str, list[HandoffRef]] = {}
             for load in due:

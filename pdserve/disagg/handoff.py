@@ -204,17 +204,20 @@ class HandoffTable:
         """Release every handoff past its lease (HELD) or claim deadline (CLAIMED)."""
         now = self._clock()
         expired = [
-            h for h in self._handoffs.values()
+            h
+            for h in self._handoffs.values()
             if (h.state is HandoffState.HELD and now >= h.lease_deadline_s)
             or (h.state is HandoffState.CLAIMED and now >= h.claim_deadline_s)
-        ]  # fmt: skip
+        ]
         for handoff in expired:
             held = handoff.state is HandoffState.HELD
             self.counters["lease_expired" if held else "claim_deadline"] += 1
             self._release(handoff, "expired")
-        forgotten = [h.handoff_id for h in self._handoffs.values()
-                     if h.state is HandoffState.RELEASED
-                     and now - h.released_at_s > RELEASED_RETENTION_S]  # fmt: skip
+        forgotten = [
+            h.handoff_id
+            for h in self._handoffs.values()
+            if h.state is HandoffState.RELEASED and now - h.released_at_s > RELEASED_RETENTION_S
+        ]
         for handoff_id in forgotten:
             del self._handoffs[handoff_id]
         return len(expired)
@@ -233,9 +236,11 @@ class HandoffTable:
         X-Request-Id; live and released), only those whose release token is `token` when
         one is given: client-chosen ids need not be unique, tokens are (S14)."""
         handoff = self._handoffs.get(key)
-        named = [handoff] if handoff else [
-            h for h in self._handoffs.values() if key in (h.request_id, h.client_request_id)
-        ]  # fmt: skip
+        named = (
+            [handoff]
+            if handoff
+            else [h for h in self._handoffs.values() if key in (h.request_id, h.client_request_id)]
+        )
         return named if token is None else [h for h in named if _same_token(token, h)]
 
     def live(self) -> list[Handoff]:
@@ -248,9 +253,10 @@ class HandoffTable:
     @property
     def num_held_blocks(self) -> int:
         return sum(
-            len(h.block_ids) for h in self._handoffs.values()
+            len(h.block_ids)
+            for h in self._handoffs.values()
             if h.state in (HandoffState.HELD, HandoffState.CLAIMED)
-        )  # fmt: skip
+        )
 
     # -- helpers -------------------------------------------------------------------
 

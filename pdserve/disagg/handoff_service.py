@@ -94,13 +94,19 @@ class HandoffService:
     def transfer_params(self, handoff: Handoff, output: RequestOutput) -> KVTransferParams:
         tokens = output.outputs[0].token_ids if output.outputs else []
         return KVTransferParams(
-            do_remote_prefill=True, do_remote_decode=False,
-            remote_engine_id=self.engine_id, remote_request_id=handoff.handoff_id,
-            remote_block_ids=list(handoff.block_ids), remote_host=self.host,
-            remote_port=self.port, remote_num_tokens=handoff.num_tokens,
-            epoch=self.table.epoch, release_token=handoff.release_token,
-            lease_s=self.table.lease_s, first_token_id=tokens[0] if tokens else None,
-        )  # fmt: skip
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_request_id=handoff.handoff_id,
+            remote_block_ids=list(handoff.block_ids),
+            remote_host=self.host,
+            remote_port=self.port,
+            remote_num_tokens=handoff.num_tokens,
+            epoch=self.table.epoch,
+            release_token=handoff.release_token,
+            lease_s=self.table.lease_s,
+            first_token_id=tokens[0] if tokens else None,
+        )
 
     # -- control messages ------------------------------------------------------------
 
@@ -124,8 +130,10 @@ class HandoffService:
             handoffs = self.table.named(request_id, None if admin else token)
             if not handoffs:
                 continue
-            outcomes = [self.table.release(h.handoff_id, token, admin=admin, reason="aborted")
-                        for h in handoffs]  # fmt: skip
+            outcomes = [
+                self.table.release(h.handoff_id, token, admin=admin, reason="aborted")
+                for h in handoffs
+            ]
             results[request_id] = _abort_outcome(outcomes)
         await self._flush()
         return results
@@ -141,8 +149,12 @@ class HandoffService:
     async def _flush(self) -> None:
         released = self.table.take_released()
         for handoff in released:
-            logger.info("handoff %s (request %s) released: %s",
-                        handoff.handoff_id, handoff.request_id, handoff.release_reason)  # fmt: skip
+            logger.info(
+                "handoff %s (request %s) released: %s",
+                handoff.handoff_id,
+                handoff.request_id,
+                handoff.release_reason,
+            )
             if self.observer:
                 self.observer.released(handoff.release_reason)
             if handoff.block_ids:
@@ -163,13 +175,18 @@ class HandoffService:
         rows = []
         for h in self.table.live():
             deadline = h.claim_deadline_s if h.state is HandoffState.CLAIMED else h.lease_deadline_s
-            rows.append({
-                "handoff_id": h.handoff_id, "request_id": h.request_id,
-                "client_request_id": h.client_request_id, "state": h.state.value,
-                "num_blocks": len(h.block_ids), "num_tokens": h.num_tokens,
-                "age_s": round(now - h.created_s, 3),
-                "time_left_s": round(deadline - now, 3) if deadline else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "handoff_id": h.handoff_id,
+                    "request_id": h.request_id,
+                    "client_request_id": h.client_request_id,
+                    "state": h.state.value,
+                    "num_blocks": len(h.block_ids),
+                    "num_tokens": h.num_tokens,
+                    "age_s": round(now - h.created_s, 3),
+                    "time_left_s": round(deadline - now, 3) if deadline else None,
+                }
+            )
         return rows
 
 

@@ -80,8 +80,11 @@ class HandoffRef:
     epoch: str | None = None
 
     def as_json(self) -> dict[str, str | None]:
-        return {"handoff_id": self.handoff_id, "release_token": self.release_token,
-                "epoch": self.epoch}  # fmt: skip
+        return {
+            "handoff_id": self.handoff_id,
+            "release_token": self.release_token,
+            "epoch": self.epoch,
+        }
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,14 @@ class RemotePrefill:
 
 def remote_prefill_from(params: KVTransferParams) -> RemotePrefill:
     """Validate a decode leg's params; a missing field is a 400 naming it."""
-    required = ("remote_request_id", "remote_block_ids", "remote_host", "remote_port",
-                "remote_num_tokens", "release_token")  # fmt: skip
+    required = (
+        "remote_request_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_num_tokens",
+        "release_token",
+    )
     missing = [name for name in required if getattr(params, name) is None]
     if missing:
         raise InvalidRequestError(

@@ -90,8 +90,9 @@ def _ready(engine: LLMEngine) -> Ready:
         layout = kv_layout(engine.loaded, engine.runner.kv_cache, cache.block_size)
         transport = engine.connector.transport.info()  # type: ignore[attr-defined]
     name = engine.config.model.model
-    return Ready(name, engine.max_model_len, engine_stats(engine), layout, transport,
-                 engine.runner.compute)  # fmt: skip
+    return Ready(
+        name, engine.max_model_len, engine_stats(engine), layout, transport, engine.runner.compute
+    )
 
 
 def _poll_ms(engine: LLMEngine) -> int:
@@ -155,8 +156,9 @@ def _handle(
         prompt = message.prompt
         if message.messages is not None:
             if engine.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: it cannot chat",
-                                          param="messages")  # fmt: skip
+                raise InvalidRequestError(
+                    "this model has no tokenizer: it cannot chat", param="messages"
+                )
             prompt = engine.tokenizer.apply_chat_template(message.messages)
         if prompt is None:
             raise PdserveError("request without a prompt")

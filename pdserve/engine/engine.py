@@ -220,9 +220,13 @@ class StepTimer:
             logger.info(
                 "%d steps (%d tokens) in %.0f s; per step: schedule %.2f ms, model %.1f ms, "
                 "outputs %.2f ms",
-                n, self.tokens, now - self.since, 1e3 * self.schedule_s / n,
-                1e3 * self.model_s / n, 1e3 * self.output_s / n,
-            )  # fmt: skip
+                n,
+                self.tokens,
+                now - self.since,
+                1e3 * self.schedule_s / n,
+                1e3 * self.model_s / n,
+                1e3 * self.output_s / n,
+            )
             self._reset(now)
 
 

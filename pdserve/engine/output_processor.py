@@ -130,6 +130,11 @@ class OutputProcessor:
             for engine_id in group.samples:
                 self._group_of.pop(engine_id, None)
         return RequestOutput(
-            group.request_id, group.prompt_token_ids, outputs, group.num_cached_tokens, finished,
-            held_block_ids=group.held_block_ids if finished else (), error=group.error,
-        )  # fmt: skip
+            group.request_id,
+            group.prompt_token_ids,
+            outputs,
+            group.num_cached_tokens,
+            finished,
+            held_block_ids=group.held_block_ids if finished else (),
+            error=group.error,
+        )

@@ -39,28 +39,42 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 NUM_DEPARTURES_KEPT = 10_000
-_LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                30.0, 60.0)  # fmt: skip
+_LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0, 60.0)  # fmt: skip
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_proxy_requests", "Client requests by outcome",
-                                ["outcome"], registry=r)  # fmt: skip
-        self.leg_seconds = Histogram("pdserve_proxy_leg_seconds", "Duration of one leg",
-                                     ["leg"], buckets=_LEG_BUCKETS, registry=r)  # fmt: skip
+        self.requests = Counter(
+            "pdserve_proxy_requests", "Client requests by outcome", ["outcome"], registry=r
+        )
+        self.leg_seconds = Histogram(
+            "pdserve_proxy_leg_seconds",
+            "Duration of one leg",
+            ["leg"],
+            buckets=_LEG_BUCKETS,
+            registry=r,
+        )
         self.releases = Counter("pdserve_proxy_releases", "Handoff releases sent", registry=r)
-        self.retries = Counter("pdserve_proxy_retries", "Legs retried on another node", ["leg"],
-                               registry=r)  # fmt: skip
-        self.departures = Counter("pdserve_proxy_departures",
-                                  "Clients that left, by the stage their request was in",
-                                  ["stage"], registry=r)  # fmt: skip
-        self.backend_up = Gauge("pdserve_proxy_backend_up", "1 if the node is up",
-                                ["role", "url"], registry=r)  # fmt: skip
-        self.backend_outstanding = Gauge("pdserve_proxy_backend_outstanding",
-                                         "Requests in flight to the node", ["role", "url"],
-                                         registry=r)  # fmt: skip
+        self.retries = Counter(
+            "pdserve_proxy_retries", "Legs retried on another node", ["leg"], registry=r
+        )
+        self.departures = Counter(
+            "pdserve_proxy_departures",
+            "Clients that left, by the stage their request was in",
+            ["stage"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "pdserve_proxy_backend_up", "1 if the node is up", ["role", "url"], registry=r
+        )
+        self.backend_outstanding = Gauge(
+            "pdserve_proxy_backend_outstanding",
+            "Requests in flight to the node",
+            ["role", "url"],
+            registry=r,
+        )
 
 
 @dataclass
@@ -98,8 +112,9 @@ class ProxyState:
 
     def record_departure(self, request_id: str, stage: Stage) -> None:
         self.metrics.departures.labels(stage.value).inc()
-        self.departures.append({"request_id": request_id, "stage": stage.value,
-                                "monotonic_s": time.monotonic()})  # fmt: skip
+        self.departures.append(
+            {"request_id": request_id, "stage": stage.value, "monotonic_s": time.monotonic()}
+        )
         logger.info("request %s: client left during %s", request_id or "-", stage.value)
 
 
@@ -115,8 +130,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         if backend is None:
             return error_response(503, "no node is available", "service_unavailable")
         try:
-            response = await state.http.get(f"{backend.url}/v1/models",
-                                            headers=state.node_headers, timeout=5.0)  # fmt: skip
+            response = await state.http.get(
+                f"{backend.url}/v1/models", headers=state.node_headers, timeout=5.0
+            )
         except httpx.HTTPError as e:
             return error_response(502, f"node {backend.url}: {type(e).__name__}", "upstream_error")
         return Response(response.content, response.status_code, media_type="application/json")
@@ -124,16 +140,19 @@ def create_proxy_app(state: ProxyState) -> Starlette:
     async def health(request: Request) -> Response:
         counts = {"num_prefill_up": state.prefill.num_up, "num_decode_up": state.decode.num_up}
         ok = counts["num_prefill_up"] > 0 and counts["num_decode_up"] > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", **counts},
-                            status_code=200 if ok else 503)  # fmt: skip
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", **counts}, status_code=200 if ok else 503
+        )
 
     async def metrics(request: Request) -> Response:
         for pool in (state.prefill, state.decode):
             for b in pool.backends:
                 state.metrics.backend_up.labels(b.role, b.url).set(int(b.up))
                 state.metrics.backend_outstanding.labels(b.role, b.url).set(b.num_outstanding)
-        return Response(generate_latest(state.metrics.registry),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
+        return Response(
+            generate_latest(state.metrics.registry),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     async def departures(request: Request) -> Response:
         return JSONResponse({"departures": list(state.departures)})
@@ -196,9 +215,12 @@ class BearerAuth:
 async def run_proxy(state: ProxyState, host: str, port: int, parent_pid: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone)."""
     config = uvicorn.Config(
-        create_proxy_app(state), host=host, port=port, log_level=logs.uvicorn_level(),
+        create_proxy_app(state),
+        host=host,
+        port=port,
+        log_level=logs.uvicorn_level(),
         timeout_graceful_shutdown=2,
-    )  # fmt: skip
+    )
     prefill = [b.url for b in state.prefill.backends]
     decode = [b.url for b in state.decode.backends]
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill, decode)

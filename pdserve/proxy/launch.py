@@ -57,10 +57,21 @@ def launch(
     (`--parent-pid`); returns at once. Its stdout and stderr go to `output` (default: this
     process's)."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "pdserve.cli", command, "--host", host, "--port", str(port),
-           "--parent-pid", str(os.getpid())]  # fmt: skip
-    process = subprocess.Popen([*cmd, *args], env={**os.environ, **(env or {})},
-                               stdout=output, stderr=output)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        command,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+    process = subprocess.Popen(
+        [*cmd, *args], env={**os.environ, **(env or {})}, stdout=output, stderr=output
+    )
     return Node(f"http://{host}:{port}", process)
 
 

@@ -142,8 +142,9 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         kv = answer.get("kv_transfer_params")
         if not isinstance(kv, dict):
             state.metrics.requests.labels("upstream_error").inc()
-            return error_response(502, "the prefill node returned no kv_transfer_params",
-                                  "upstream_error")  # fmt: skip
+            return error_response(
+                502, "the prefill node returned no kv_transfer_params", "upstream_error"
+            )
         client.stage = Stage.BETWEEN_LEGS
         if state.debug_between_legs_s:
             await asyncio.sleep(state.debug_between_legs_s)
@@ -167,8 +168,9 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
     except PdserveError as e:
         return Response(status_code=499) if e.http_status == 499 else from_exception(e)
     if body.get("n") not in (None, 1):
-        return error_response(400, "n > 1 is not supported through the P/D proxy",
-                              "invalid_request_error", param="n")  # fmt: skip
+        return error_response(
+            400, "n > 1 is not supported through the P/D proxy", "invalid_request_error", param="n"
+        )
     return body
 
 
@@ -182,8 +184,9 @@ async def _prefill_leg(
     leg.pop("stream_options", None)
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
-    last_error: Response = error_response(503, "no prefill node is available",
-                                          "service_unavailable")  # fmt: skip
+    last_error: Response = error_response(
+        503, "no prefill node is available", "service_unavailable"
+    )
     for backend in _attempts(state, state.prefill):
         token = secrets.token_urlsafe(24)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "release_token": token}
@@ -216,8 +219,9 @@ async def _prefill_leg(
     return last_error
 
 
-async def _post(backend: Backend, path: str, payload: bytes, headers: dict[str, str],
-                timeout_s: float) -> tuple[int, bytes]:  # fmt: skip
+async def _post(
+    backend: Backend, path: str, payload: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[int, bytes]:
     response = await backend.upstream.post_json(path, payload, headers, timeout_s)
     try:
         return response.status, await response.read()
@@ -247,8 +251,9 @@ async def _decode_leg(
         started = time.perf_counter()
         backend.num_outstanding += 1
         try:
-            send = backend.upstream.post_json(path, payload, _leg_headers(state, client),
-                                              state.decode_timeout_s)  # fmt: skip
+            send = backend.upstream.post_json(
+                path, payload, _leg_headers(state, client), state.decode_timeout_s
+            )
             response = await client.unless_gone(send)
         except (ClientGone, UpstreamError) as e:
             backend.num_outstanding -= 1
@@ -265,10 +270,10 @@ async def _decode_leg(
             return await _decode_refused(state, backend, response, prefill, kv)
         if body.get("stream"):
             return StreamingResponse(
-                _relay_stream(state, client.request_id, backend, response, prefill_usage,
-                              started),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-            )  # fmt: skip
+                _relay_stream(state, client.request_id, backend, response, prefill_usage, started),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await _decode_answer(state, client, backend, response, prefill, answer, started)
     await release_handoff(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
@@ -276,9 +281,12 @@ async def _decode_leg(
 
 
 async def _decode_refused(
-    state: ProxyState, backend: Backend, response: UpstreamResponse, prefill: Backend,
+    state: ProxyState,
+    backend: Backend,
+    response: UpstreamResponse,
+    prefill: Backend,
     kv: dict[str, Any],
-) -> Response:  # fmt: skip
+) -> Response:
     """An error status from the decode node: released, and forwarded as it came."""
     try:
         content = await response.read()
@@ -293,9 +301,14 @@ async def _decode_refused(
 
 
 async def _decode_answer(
-    state: ProxyState, client: _Client, backend: Backend, response: UpstreamResponse,
-    prefill: Backend, prefill_answer: dict[str, Any], started: float,
-) -> Response:  # fmt: skip
+    state: ProxyState,
+    client: _Client,
+    backend: Backend,
+    response: UpstreamResponse,
+    prefill: Backend,
+    prefill_answer: dict[str, Any],
+    started: float,
+) -> Response:
     """A non-streaming client's answer, assembled from the decode leg's stream: the
     decode timeout then bounds the silence between tokens, so a long answer that keeps
     coming is never cut, and a node that stops producing is (504). A leg that failed,
@@ -376,8 +389,14 @@ async def _relay_stream(
         outcome = "upstream_error" if failed else "ok"
     except UpstreamError as e:  # the node died mid-stream: end the stream with an error
         outcome = "upstream_error"
-        error = {"error": {"message": f"decode node {backend.url}: {e}",
-                           "type": "upstream_error", "param": None, "code": 502}}  # fmt: skip
+        error = {
+            "error": {
+                "message": f"decode node {backend.url}: {e}",
+                "type": "upstream_error",
+                "param": None,
+                "code": 502,
+            }
+        }
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         response.close()
@@ -404,8 +423,12 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
     tokens from the decode leg."""
     prompt = int(prefill.get("prompt_tokens", decode.get("prompt_tokens", 0)))
     completion = int(decode.get("completion_tokens", 0))
-    usage = {**decode, "prompt_tokens": prompt, "completion_tokens": completion,
-             "total_tokens": prompt + completion}  # fmt: skip
+    usage = {
+        **decode,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
     details = prefill.get("prompt_tokens_details")
     if isinstance(details, dict):
         usage["prompt_tokens_details"] = details
@@ -449,8 +472,9 @@ async def release(state: ProxyState, backend: Backend, request_id: str, token: s
         body["release_token"] = token
     state.metrics.releases.inc()
     try:
-        await state.http.post(f"{backend.url}/v1/abort_requests", json=body,
-                              headers=state.node_headers, timeout=2.0)  # fmt: skip
+        await state.http.post(
+            f"{backend.url}/v1/abort_requests", json=body, headers=state.node_headers, timeout=2.0
+        )
     except httpx.HTTPError as e:  # its lease frees it
         logger.warning("release of %s on %s failed: %s", request_id, backend.url, e)
 

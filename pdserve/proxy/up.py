@@ -44,17 +44,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--ask", default=None, help="send this chat message, print the answer, stop")
     up.add_argument("--max-tokens", type=int, default=64, help="for --ask")
-    up.add_argument("--log-level", default=None, choices=logs.LEVELS,
-                    help="this process's and the nodes' (default: PDSERVE_LOG_LEVEL, else "
-                         "info); debug adds every HTTP client request")  # fmt: skip
+    up.add_argument(
+        "--log-level",
+        default=None,
+        choices=logs.LEVELS,
+        help="this process's and the nodes' (default: PDSERVE_LOG_LEVEL, else "
+        "info); debug adds every HTTP client request",
+    )
     up.set_defaults(func=run)
 
 
 def node_args(args: argparse.Namespace, role: str) -> list[str]:
     argv = ["--role", role, "--model", args.model, "--dtype", args.dtype]
-    for flag, value in (("--api-key", args.api_key), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--max-model-len", args.max_model_len),
-                        ("--log-level", args.log_level)):  # fmt: skip
+    for flag, value in (
+        ("--api-key", args.api_key),
+        ("--num-kv-blocks", args.num_kv_blocks),
+        ("--max-model-len", args.max_model_len),
+        ("--log-level", args.log_level),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -71,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             for role in roles:
                 nodes.append(launch(node_args(args, role), env))
-            print(f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
-                  f"with model {args.model} ...", flush=True)  # fmt: skip
+            print(
+                f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
+                f"with model {args.model} ...",
+                flush=True,
+            )
             for node in nodes:
                 wait_healthy(node)
             listing = ", ".join(f"{r} {n.url}" for r, n in zip(roles, nodes, strict=True))
@@ -86,15 +96,22 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) -> int:
     state = ProxyState(
-        prefill=BackendPool("prefill", [n.url for n, r in zip(nodes, roles, strict=True)
-                                        if r == "prefill"]),
-        decode=BackendPool("decode", [n.url for n, r in zip(nodes, roles, strict=True)
-                                      if r == "decode"]),
-        api_key=args.api_key, node_api_key=args.api_key,
-    )  # fmt: skip
-    config = uvicorn.Config(create_proxy_app(state), host=args.host, port=args.port,
-                            log_level=logs.uvicorn_level(),
-                            timeout_graceful_shutdown=2)  # fmt: skip
+        prefill=BackendPool(
+            "prefill", [n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"]
+        ),
+        decode=BackendPool(
+            "decode", [n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"]
+        ),
+        api_key=args.api_key,
+        node_api_key=args.api_key,
+    )
+    config = uvicorn.Config(
+        create_proxy_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=logs.uvicorn_level(),
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     url = f"http://{args.host}:{args.port}"
@@ -116,8 +133,11 @@ async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) 
 
 async def _ask(url: str, api_key: str | None, message: str, max_tokens: int) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     async with httpx.AsyncClient(timeout=300) as client:
         response = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     response.raise_for_status()

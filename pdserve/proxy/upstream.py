@@ -55,8 +55,14 @@ class _Connection:
 
 
 class UpstreamResponse:
-    def __init__(self, node: Node, conn: _Connection, status: int, headers: dict[bytes, bytes],
-                 timeout_s: float | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: Node,
+        conn: _Connection,
+        status: int,
+        headers: dict[bytes, bytes],
+        timeout_s: float | None,
+    ) -> None:
         self.status = status
         self.headers = headers
         self._node, self._conn, self._timeout_s = node, conn, timeout_s
@@ -126,12 +132,19 @@ class Node:
         self._idle: list[_Connection] = []
         self._host_header = f"{self.host}:{self.port}".encode()
 
-    async def post_json(self, path: str, body: bytes, headers: dict[str, str],
-                        timeout_s: float | None) -> UpstreamResponse:  # fmt: skip
+    async def post_json(
+        self, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None
+    ) -> UpstreamResponse:
         """POST a JSON body; returns once the status line and headers have arrived."""
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._host_header,
-                b"\r\ncontent-type: application/json\r\ncontent-length: ",
-                str(len(body)).encode(), b"\r\n"]  # fmt: skip
+        head = [
+            b"POST ",
+            path.encode(),
+            b" HTTP/1.1\r\nhost: ",
+            self._host_header,
+            b"\r\ncontent-type: application/json\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+        ]
         for name, value in headers.items():
             head += [name.encode(), b": ", value.encode(), b"\r\n"]
         request = b"".join([*head, b"\r\n", body])
@@ -150,8 +163,9 @@ class Node:
         except _StaleConnection as e:
             raise UpstreamError(f"{self.url} closed the connection without answering") from e
 
-    async def _exchange(self, conn: _Connection, request: bytes,
-                        timeout_s: float | None) -> UpstreamResponse:  # fmt: skip
+    async def _exchange(
+        self, conn: _Connection, request: bytes, timeout_s: float | None
+    ) -> UpstreamResponse:
         try:
             conn.writer.write(request)
             status_line = await _within(timeout_s, conn.reader.readline())

@@ -57,9 +57,15 @@ def kv_counters(server: Server) -> dict[str, int]:
 def server() -> Iterator[Server]:
     """SmolLM2 in fp32 (to match the offline fixture), with an API key."""
     s = start_server(
-        "--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048",
-        "--api-key", API_KEY,
-    )  # fmt: skip
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "512",
+        "--max-model-len",
+        "2048",
+        "--api-key",
+        API_KEY,
+    )
     try:
         yield s
     finally:

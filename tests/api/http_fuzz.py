@@ -31,10 +31,11 @@ scalars = st.one_of(
 )
 json_values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
+)
 printable = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
 url_paths = st.text("abcdefghijklmnopqrstuvwxyz0123456789/-_.~", max_size=20).map(
     lambda p: "/" + p.lstrip("/")
@@ -95,8 +96,9 @@ def perturbed(
     change = st.sampled_from(keys).flatmap(lambda k: maybe(every[k]).map(lambda v: (k, v)))
     stray = st.tuples(st.text(max_size=10), json_values)
     changes = st.lists(st.one_of(change, change, change, stray), max_size=3)
-    return st.builds(lambda base, pairs: {**base, **dict(pairs)}, st.fixed_dictionaries(core),
-                     changes)  # fmt: skip
+    return st.builds(
+        lambda base, pairs: {**base, **dict(pairs)}, st.fixed_dictionaries(core), changes
+    )
 
 
 completion_bodies = perturbed(
@@ -105,25 +107,38 @@ completion_bodies = perturbed(
 )
 text_parts = st.lists(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}),
-    min_size=1, max_size=2,
-)  # fmt: skip
+    min_size=1,
+    max_size=2,
+)
 valid_messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-                           "content": st.text(max_size=20) | text_parts}),
-    min_size=1, max_size=3,
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user", "assistant"]),
+            "content": st.text(max_size=20) | text_parts,
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
 content_parts = st.lists(
-    some_of(type=st.sampled_from(["text", "image_url", "refusal", "input_audio"]),
-            text=st.text(max_size=10), refusal=st.text(max_size=5),
-            image_url=st.fixed_dictionaries({"url": st.text(max_size=10)})),
+    some_of(
+        type=st.sampled_from(["text", "image_url", "refusal", "input_audio"]),
+        text=st.text(max_size=10),
+        refusal=st.text(max_size=5),
+        image_url=st.fixed_dictionaries({"url": st.text(max_size=10)}),
+    ),
     max_size=3,
-)  # fmt: skip
+)
 messages = st.lists(
-    some_of(role=st.sampled_from(ROLES), content=st.text(max_size=20) | content_parts,
-            name=st.text(max_size=6), tool_calls=st.lists(json_values, max_size=1),
-            tool_call_id=st.text(max_size=4)),
+    some_of(
+        role=st.sampled_from(ROLES),
+        content=st.text(max_size=20) | content_parts,
+        name=st.text(max_size=6),
+        tool_calls=st.lists(json_values, max_size=1),
+        tool_call_id=st.text(max_size=4),
+    ),
     max_size=3,
-)  # fmt: skip
+)
 chat_bodies = perturbed(
     {"messages": valid_messages, "max_tokens": st.integers(1, 8)},
     {
@@ -169,13 +184,15 @@ def headers(api_key: str) -> st.SearchStrategy[dict[str, str]]:
     odd Content-Type now and then."""
     auth = st.sampled_from([f"Bearer {api_key}"] * 6 + ["", "Bearer wrong", "Basic x"])
     return st.builds(
-        lambda a, rid, kind: {k: v for k, v in
-                              (("authorization", a), ("x-request-id", rid),
-                               ("content-type", kind)) if v},
+        lambda a, rid, kind: {
+            k: v
+            for k, v in (("authorization", a), ("x-request-id", rid), ("content-type", kind))
+            if v
+        },
         auth,
         st.none() | printable.map(str.strip),  # h11 refuses a value that starts with a space
         st.sampled_from(["application/json"] * 4 + ["", "text/plain", "application/x-ndjson"]),
-    )  # fmt: skip
+    )
 
 
 def post_calls(
@@ -204,8 +221,9 @@ _HTTP = httpx.Client(timeout=REQUEST_BOUND_S)
 
 def send(url: str, call: Call) -> httpx.Response:
     """The request, its answer read to the end (a stream included)."""
-    with _HTTP.stream(call.method, f"{url}{call.path}", content=call.body or None,
-                      headers=call.headers) as response:  # fmt: skip
+    with _HTTP.stream(
+        call.method, f"{url}{call.path}", content=call.body or None, headers=call.headers
+    ) as response:
         response.read()
     return response
 
@@ -251,8 +269,9 @@ def release_all(prefill: Server) -> None:
         if handoff["state"] == "claimed":
             ref = {"handoff_id": handoff_id, "release_token": _TOKENS.get(handoff_id, "?")}
             _HTTP.post(f"{prefill.url}/kv/failed", json=ref, headers=ADMIN)
-        _HTTP.post(f"{prefill.url}/v1/abort_requests", json={"request_ids": [handoff_id]},
-                   headers=ADMIN)  # fmt: skip
+        _HTTP.post(
+            f"{prefill.url}/v1/abort_requests", json={"request_ids": [handoff_id]}, headers=ADMIN
+        )
 
 
 _TOKENS: dict[str, str] = {}
@@ -262,8 +281,13 @@ _TOKENS: dict[str, str] = {}
 def make_handoff(prefill: Server, prompt: list[int], client_id: str = "") -> dict[str, Any]:
     """A real prefill leg: its answer's kv_transfer_params (the handoff is HELD)."""
     token = secrets.token_urlsafe(24)
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
-            "kv_transfer_params": {"do_remote_decode": True, "release_token": token}}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "return_token_ids": True,
+        "kv_transfer_params": {"do_remote_decode": True, "release_token": token},
+    }
     headers = {**ADMIN, "x-request-id": client_id} if client_id else ADMIN
     response = _HTTP.post(f"{prefill.url}/v1/completions", json=body, headers=headers)
     assert response.status_code == 200, response.text

@@ -50,8 +50,17 @@ from tests.disagg.conftest import cluster as cluster  # the shared session fixtu
 
 pytestmark = pytest.mark.timeout(600)
 KV_PATHS = ["/kv/renew", "/kv/claim", "/kv/done", "/kv/failed", "/kv/release"]
-ROUTES = [*OPENAI_PATHS, "/v1/models", "/health", "/metrics", "/admin/kv",
-          "/v1/abort_requests", "/kv/handshake", "/openapi.json", *KV_PATHS]  # fmt: skip
+ROUTES = [
+    *OPENAI_PATHS,
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/admin/kv",
+    "/v1/abort_requests",
+    "/kv/handshake",
+    "/openapi.json",
+    *KV_PATHS,
+]
 
 
 # -- the OpenAI routes on each role ---------------------------------------------------------
@@ -60,15 +69,18 @@ openai_bodies = completion_bodies | chat_bodies
 any_leg_bodies = st.builds(
     lambda body, kv: {**body, **kv},
     openai_bodies,
-    some_of(kv_transfer_params=some_of(do_remote_decode=st.booleans(),
-                                       do_remote_prefill=st.booleans())),
-)  # fmt: skip
+    some_of(
+        kv_transfer_params=some_of(do_remote_decode=st.booleans(), do_remote_prefill=st.booleans())
+    ),
+)
 prefill_leg_bodies = st.builds(
     lambda body, kv: {**body, "kv_transfer_params": kv},
     openai_bodies,
-    perturbed({"do_remote_decode": st.just(True)},
-              {"release_token": st.just(secrets.token_urlsafe(24)) | st.text(max_size=30)}),
-)  # fmt: skip
+    perturbed(
+        {"do_remote_decode": st.just(True)},
+        {"release_token": st.just(secrets.token_urlsafe(24)) | st.text(max_size=30)},
+    ),
+)
 
 
 @given(call=post_calls(OPENAI_PATHS, any_leg_bodies, API_KEY))
@@ -109,8 +121,9 @@ def mutated(kv: dict[str, Any], prefill_port: int) -> st.SearchStrategy[dict[str
     }
     drop = st.sets(st.sampled_from(sorted(kv)), max_size=2)
     change = st.fixed_dictionaries({}, optional={k: maybe(v) for k, v in changes.items()})
-    return st.builds(lambda gone, new: {**{k: v for k, v in kv.items() if k not in gone}, **new},
-                     drop, change)  # fmt: skip
+    return st.builds(
+        lambda gone, new: {**{k: v for k, v in kv.items() if k not in gone}, **new}, drop, change
+    )
 
 
 @given(data=st.data())
@@ -127,11 +140,21 @@ def decode_any_params(cluster: Cluster, data: st.DataObject) -> None:
     kv = make_handoff(cluster.prefill, prompt)
     port = int(cluster.prefill.url.rsplit(":", 1)[1])
     params = data.draw(st.just(kv) | mutated(kv, port), "kv_transfer_params")
-    changes = some_of(stream=st.booleans(), max_tokens=st.integers(0, 8), prompt=token_ids,
-                      return_token_ids=st.just(True))  # fmt: skip
+    changes = some_of(
+        stream=st.booleans(),
+        max_tokens=st.integers(0, 8),
+        prompt=token_ids,
+        return_token_ids=st.just(True),
+    )
     extra = data.draw(changes, "extra")
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
-            **extra, "kv_transfer_params": params}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+        "kv_transfer_params": params,
+    }
     call = Call("POST", "/v1/completions", encode(body), ADMIN)
     response = send(cluster.decode.url, call)
     assert_answered(response, call)
@@ -153,18 +176,31 @@ def test_control_messages_in_any_order_leave_nothing_held(
     cluster: Cluster, data: st.DataObject
 ) -> None:
     kv = make_handoff(cluster.prefill, data.draw(token_ids, "prompt"))
-    real = {"handoff_id": kv["remote_request_id"], "release_token": kv["release_token"],
-            "epoch": kv["epoch"]}  # fmt: skip
-    ref = maybe(some_of(**{k: st.just(v) | st.text(max_size=8) for k, v in real.items()},
-                        block_ids=st.just(kv["remote_block_ids"])
-                        | st.lists(st.integers(-1, 200), max_size=3),
-                        reason=st.sampled_from(["rejected", "released"])))  # fmt: skip
+    real = {
+        "handoff_id": kv["remote_request_id"],
+        "release_token": kv["release_token"],
+        "epoch": kv["epoch"],
+    }
+    ref = maybe(
+        some_of(
+            **{k: st.just(v) | st.text(max_size=8) for k, v in real.items()},
+            block_ids=st.just(kv["remote_block_ids"]) | st.lists(st.integers(-1, 200), max_size=3),
+            reason=st.sampled_from(["rejected", "released"]),
+        )
+    )
     bodies = st.one_of(ref, some_of(handoffs=st.lists(ref, max_size=3)), json_values)
-    calls = st.builds(Call, st.just("POST"), st.sampled_from(KV_PATHS), bodies.map(encode),
-                      st.just(ADMIN) | st.just({}))  # fmt: skip
+    calls = st.builds(
+        Call,
+        st.just("POST"),
+        st.sampled_from(KV_PATHS),
+        bodies.map(encode),
+        st.just(ADMIN) | st.just({}),
+    )
     with cleanup(cluster.prefill):
-        for call in [*data.draw(st.lists(calls, min_size=1, max_size=4), "calls"),
-                     Call("GET", "/kv/handshake", b"", ADMIN)]:  # fmt: skip
+        for call in [
+            *data.draw(st.lists(calls, min_size=1, max_size=4), "calls"),
+            Call("GET", "/kv/handshake", b"", ADMIN),
+        ]:
             assert_answered(send(cluster.prefill.url, call), call)
     assert_settled(cluster.prefill)
 
@@ -183,9 +219,13 @@ def abort_with_any_credential(cluster: Cluster, data: st.DataObject, client_id: 
     kv = make_handoff(cluster.prefill, data.draw(token_ids, "prompt"), client_id)
     handoff_id, token = kv["remote_request_id"], kv["release_token"]
     names = st.sampled_from([handoff_id, client_id or "nobody", "cmpl-x"]) | st.text(max_size=8)
-    body = data.draw(some_of(request_ids=st.lists(names, max_size=3),
-                             release_token=st.sampled_from([token, secrets.token_urlsafe(24)])),
-                     "body")  # fmt: skip
+    body = data.draw(
+        some_of(
+            request_ids=st.lists(names, max_size=3),
+            release_token=st.sampled_from([token, secrets.token_urlsafe(24)]),
+        ),
+        "body",
+    )
     admin = data.draw(st.booleans(), "admin")
     node = data.draw(st.sampled_from([cluster.prefill, cluster.decode, cluster.single]), "node")
     call = Call("POST", "/v1/abort_requests", encode(body), ADMIN if admin else {})

@@ -32,8 +32,9 @@ def assert_accurate(server: Server) -> dict[str, Any]:
     assert {r.removeprefix("#/components/schemas/") for r in refs(doc)} == set(schemas)
     for path, operations in doc["paths"].items():
         for method in operations:
-            answer = httpx.request(method.upper(), f"{server.url}{path}", json={},
-                                   headers=HEADERS, timeout=10)  # fmt: skip
+            answer = httpx.request(
+                method.upper(), f"{server.url}{path}", json={}, headers=HEADERS, timeout=10
+            )
             assert answer.status_code not in (404, 405), (method, path, answer.text)
     return doc
 
@@ -48,8 +49,12 @@ def test_every_node_and_the_proxy_describe_what_they_serve(cluster: Cluster) -> 
     chat = prefill["components"]["schemas"]["ChatCompletionRequest"]
     message = chat["properties"]["messages"]["items"]
     assert message["required"] == ["role", "content"]  # {"role": "user"} is a 400
-    assert set(message["properties"]["role"]["enum"]) == {"system", "developer", "user",
-                                                          "assistant"}  # fmt: skip
+    assert set(message["properties"]["role"]["enum"]) == {
+        "system",
+        "developer",
+        "user",
+        "assistant",
+    }
     proxy = start_proxy([cluster.prefill.url], [cluster.decode.url])
     try:
         doc = assert_accurate(proxy)

@@ -47,8 +47,11 @@ def test_chat_stream_with_usage_in_final_chunk(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="default",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
@@ -58,8 +61,9 @@ def test_chat_stream_with_usage_in_final_chunk(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(
         model="default",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0,
-    )  # fmt: skip
+        max_tokens=24,
+        temperature=0,
+    )
     assert whole.choices[0].message.content == text
 
 
@@ -168,19 +172,31 @@ def _chat(*messages: Any, **extra: Any) -> dict[str, Any]:
         (CHAT, _chat({"role": "user", "content": 5}), 400, "messages[0].content"),
         (CHAT, _chat({"role": "user", "content": []}), 400, "messages[0].content"),
         (CHAT, _chat({"role": "user", "content": [IMAGE]}), 400, "messages[0].content[0].type"),
-        (CHAT, _chat({"role": "user", "content": [{"type": "text"}]}), 400,
-         "messages[0].content[0].text"),
+        (
+            CHAT,
+            _chat({"role": "user", "content": [{"type": "text"}]}),
+            400,
+            "messages[0].content[0].text",
+        ),
         (CHAT, _chat({**HELLO[0], "name": 5}), 400, "messages[0].name"),
-        (CHAT, _chat({"role": "tool", "content": "42", "tool_call_id": "c1"}), 400,
-         "messages[0].role"),
-        (CHAT, _chat(HELLO[0], {"role": "assistant", "tool_calls": [CALL]}), 400,
-         "messages[1].tool_calls"),
+        (
+            CHAT,
+            _chat({"role": "tool", "content": "42", "tool_call_id": "c1"}),
+            400,
+            "messages[0].role",
+        ),
+        (
+            CHAT,
+            _chat(HELLO[0], {"role": "assistant", "tool_calls": [CALL]}),
+            400,
+            "messages[1].tool_calls",
+        ),
         (CHAT, _chat(HELLO[0], tools=[TOOL]), 400, "tools"),
         (CHAT, _chat(HELLO[0], tool_choice="auto"), 400, "tool_choice"),
         (CHAT, _chat(HELLO[0], functions=[TOOL["function"]]), 400, "functions"),
         (CHAT, _chat(HELLO[0], response_format={"type": "json_object"}), 400, "response_format"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_a_4xx_in_openai_schema(
     server: Server, path: str, body: Any, status: int, param: str | None
 ) -> None:
@@ -192,18 +208,30 @@ def test_chat_takes_openai_message_shapes(client: openai.OpenAI) -> None:
     fields are accepted; parts read as the joined string would."""
 
     def greedy(messages: list[dict[str, Any]], **extra: Any) -> str:
-        answer = client.chat.completions.create(model="default", messages=messages,
-                                                max_tokens=8, temperature=0, **extra)  # fmt: skip
+        answer = client.chat.completions.create(
+            model="default", messages=messages, max_tokens=8, temperature=0, **extra
+        )
         return str(answer.choices[0].message.content)
 
-    plain = greedy([{"role": "system", "content": "Be brief."}, {"role": "user",
-                    "content": "Name a colour."}])  # fmt: skip
+    plain = greedy(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    )
     parts = greedy(
-        [{"role": "developer", "content": [{"type": "text", "text": "Be "},
-                                           {"type": "text", "text": "brief."}]},
-         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Name a colour."}]}],
-        tool_choice="none", tools=[], response_format={"type": "text"},
-    )  # fmt: skip
+        [
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            },
+            {
+                "role": "user",
+                "name": "ann",
+                "content": [{"type": "text", "text": "Name a colour."}],
+            },
+        ],
+        tool_choice="none",
+        tools=[],
+        response_format={"type": "text"},
+    )
     assert parts == plain
     refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
     assert greedy([HELLO[0], refusal, {"role": "user", "content": "Why?"}])
@@ -285,10 +313,14 @@ def test_metrics_use_vllm_names_and_count_tokens(server: Server, client: openai.
     client.completions.create(model="default", prompt="Hello there", max_tokens=5, temperature=0)
     after = httpx.get(f"{server.url}/metrics", timeout=5).text
     for name in (
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-        "vllm:e2e_request_latency_seconds_count", "pdserve_kv_blocks_free",
-    ):  # fmt: skip
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "pdserve_kv_blocks_free",
+    ):
         _metric(after, name)
     gained = _metric(after, "vllm:generation_tokens_total") - _metric(
         before.text, "vllm:generation_tokens_total"

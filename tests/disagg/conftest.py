@@ -27,10 +27,20 @@ is an HTTP round trip to a process competing for the same cores."""
 
 def node_args(model: Path | str, *extra: str) -> list[str]:
     return [
-        "--model", str(model), "--dtype", "float32", "--num-kv-blocks", str(NUM_BLOCKS),
-        "--block-size", str(BLOCK_SIZE), "--max-model-len", "512", "--api-key", API_KEY,
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        "512",
+        "--api-key",
+        API_KEY,
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def make_prompt(length: int, seed: int = 0) -> list[int]:
@@ -48,8 +58,13 @@ def post(server: Server, path: str, body: dict[str, Any], timeout: float = 60) -
 
 
 def completion(prompt: list[int] | str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, **extra}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def prefill_leg(server: Server, body: dict[str, Any]) -> dict[str, Any]:

@@ -850,9 +850,15 @@ def test_engine_holds_a_finished_prefill_leg_until_it_is_aborted(tmp_path: Path)
 
     (tmp_path / "config.json").write_text(TINY_LLAMA_CONFIG)
     config = engine_config(
-        model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
-        num_blocks=32, block_size=4, role="prefill", transport="inprocess",
-    )  # fmt: skip
+        model=str(tmp_path),
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        num_blocks=32,
+        block_size=4,
+        role="prefill",
+        transport="inprocess",
+    )
     engine = LLMEngine(config)
     try:
         assert isinstance(engine.connector, PrefillConnector)

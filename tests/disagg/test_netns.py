@@ -63,9 +63,11 @@ def port(bed: NamespaceBed) -> Iterator[int]:
 
 def connects(ns: str | None, host: str, port: int) -> float | None:
     """Seconds a TCP connect from namespace `ns` (None: this one) took; None if it failed."""
-    code = (f"import socket, time; t = time.monotonic(); "
-            f"socket.create_connection(({host!r}, {port}), timeout=1); "
-            f"print(time.monotonic() - t)")  # fmt: skip
+    code = (
+        f"import socket, time; t = time.monotonic(); "
+        f"socket.create_connection(({host!r}, {port}), timeout=1); "
+        f"print(time.monotonic() - t)"
+    )
     if ns is None:
         start = time.monotonic()
         try:
@@ -73,8 +75,9 @@ def connects(ns: str | None, host: str, port: int) -> float | None:
         except OSError:
             return None
         return time.monotonic() - start
-    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True
+    )
     return float(done.stdout) if done.returncode == 0 else None
 
 

@@ -81,8 +81,13 @@ def test_pd_streaming_decode_leg_equals_the_single_node(cluster: Cluster) -> Non
     kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
     streamed: list[int] = []
     stream_body = {**body, "stream": True, "kv_transfer_params": kv}
-    with httpx.stream("POST", f"{cluster.decode.url}/v1/completions", json=stream_body,
-                      headers=HEADERS, timeout=60) as response:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{cluster.decode.url}/v1/completions",
+        json=stream_body,
+        headers=HEADERS,
+        timeout=60,
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -128,8 +133,9 @@ def test_s4_decode_node_rejecting_a_leg_releases_its_handoff(cluster: Cluster) -
 def test_s6_cancel_while_the_decode_node_reads(cluster: Cluster) -> None:
     """The read is held open (debug delay): the client leaves mid-read; the decode node
     keeps its destination blocks until the read has ended, then both sides free them."""
-    slow = start_server(*node_args(cluster.model, "--role", "decode",
-                                   "--debug-kv-read-delay-s", "1.0"))  # fmt: skip
+    slow = start_server(
+        *node_args(cluster.model, "--role", "decode", "--debug-kv-read-delay-s", "1.0")
+    )
     try:
         body = completion(make_prompt(64, seed=6), max_tokens=4)
         kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
@@ -149,8 +155,13 @@ def test_s6_cancel_while_the_decode_node_reads(cluster: Cluster) -> None:
 def test_s7_cancel_mid_generation_frees_the_decode_node(cluster: Cluster) -> None:
     body = completion(make_prompt(50, seed=7), max_tokens=400, ignore_eos=True, stream=True)
     kv = prefill_leg(cluster.prefill, {**body, "stream": False})["kv_transfer_params"]
-    with httpx.stream("POST", f"{cluster.decode.url}/v1/completions", headers=HEADERS,
-                      json={**body, "kv_transfer_params": kv}, timeout=60) as response:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{cluster.decode.url}/v1/completions",
+        headers=HEADERS,
+        json={**body, "kv_transfer_params": kv},
+        timeout=60,
+    ) as response:
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
@@ -160,14 +171,24 @@ def test_s7_cancel_mid_generation_frees_the_decode_node(cluster: Cluster) -> Non
 
 def test_s8_done_and_release_twice_are_answered_and_ignored(cluster: Cluster) -> None:
     kv = prefill_leg(cluster.prefill, completion(make_prompt(20, seed=8)))["kv_transfer_params"]
-    ref = {"handoff_id": kv["remote_request_id"], "release_token": kv["release_token"],
-           "epoch": kv["epoch"], "block_ids": kv["remote_block_ids"]}  # fmt: skip
+    ref = {
+        "handoff_id": kv["remote_request_id"],
+        "release_token": kv["release_token"],
+        "epoch": kv["epoch"],
+        "block_ids": kv["remote_block_ids"],
+    }
     outcomes = [
         post(cluster.prefill, f"/kv/{path}", ref).json()["outcome"]
         for path in ("claim", "done", "done", "release", "failed", "claim")
     ]
-    assert outcomes == ["ok", "ok", "already_released", "already_released",
-                        "already_released", "already_released"]  # fmt: skip
+    assert outcomes == [
+        "ok",
+        "ok",
+        "already_released",
+        "already_released",
+        "already_released",
+        "already_released",
+    ]
     counters = kv_state(cluster.prefill)["handoff_counters"]
     assert counters["done_late"] >= 1 and counters["release_late"] >= 1
     wait_idle(cluster.prefill, RELEASED_WITHIN_S)
@@ -226,10 +247,14 @@ def test_s14_duplicate_client_ids_get_their_own_handoffs(cluster: Cluster) -> No
     body = completion(make_prompt(20, seed=14))
     headers = {**HEADERS, "X-Request-Id": "same-id"}
     legs = [
-        httpx.post(f"{cluster.prefill.url}/v1/completions", headers=headers, timeout=30,
-                   json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        httpx.post(
+            f"{cluster.prefill.url}/v1/completions",
+            headers=headers,
+            timeout=30,
+            json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+        ).json()
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     a, b = (leg["kv_transfer_params"] for leg in legs)
     assert a["remote_request_id"] != b["remote_request_id"]
     assert a["release_token"] != b["release_token"]
@@ -239,8 +264,11 @@ def test_s14_duplicate_client_ids_get_their_own_handoffs(cluster: Cluster) -> No
     [left] = kv_state(cluster.prefill)["handoffs"]
     assert left["handoff_id"] == b["remote_request_id"]
     assert decode_leg(cluster.decode, body, b).status_code == 200
-    n2 = post(cluster.prefill, "/v1/completions",
-              {**body, "n": 2, "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+    n2 = post(
+        cluster.prefill,
+        "/v1/completions",
+        {**body, "n": 2, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
     assert_both_idle(cluster)
 
@@ -266,8 +294,9 @@ def test_s16_abort_of_unknown_ids_and_bad_bodies(cluster: Cluster) -> None:
     for bad in ({}, {"request_ids": []}, {"request_ids": "x"}, {"request_ids": [1]}):
         response = post(cluster.prefill, "/v1/abort_requests", bad)
         assert response.status_code == 400 and response.json()["error"]["param"] == "request_ids"
-    raw = httpx.post(f"{cluster.prefill.url}/v1/abort_requests", content=b"{nope",
-                     headers=HEADERS, timeout=5)  # fmt: skip
+    raw = httpx.post(
+        f"{cluster.prefill.url}/v1/abort_requests", content=b"{nope", headers=HEADERS, timeout=5
+    )
     assert raw.status_code == 400
     assert kv_state(cluster.prefill)["num_handoffs"] == 1  # untouched
     assert decode_leg(cluster.decode, completion(make_prompt(20, seed=16)), kv).status_code == 200
@@ -320,8 +349,10 @@ def test_s14_a_leg_with_its_own_token_is_released_by_it_and_its_request_id(
     url = f"{cluster.prefill.url}/v1/completions"
     headers = {**HEADERS, "X-Request-Id": "same-id"}
     tokens = ["A" * 22, "b-_" * 10]
-    legs = [{**body, "kv_transfer_params": {"do_remote_decode": True, "release_token": t}}
-            for t in tokens]  # fmt: skip
+    legs = [
+        {**body, "kv_transfer_params": {"do_remote_decode": True, "release_token": t}}
+        for t in tokens
+    ]
     answers = [httpx.post(url, headers=headers, json=leg, timeout=30).json() for leg in legs]
     assert [a["kv_transfer_params"]["release_token"] for a in answers] == tokens
     release = {"request_ids": ["same-id"], "release_token": tokens[0]}

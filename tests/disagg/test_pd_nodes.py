@@ -79,8 +79,9 @@ def occupy(server: Server) -> tuple[threading.Thread, dict[str, Any]]:
     """A long plain request that keeps a `--max-num-seqs 1` node busy; abort it by id."""
     body = completion(make_prompt(8, seed=99), max_tokens=400, ignore_eos=True)
     headers = {**HEADERS, "X-Request-Id": "occupier"}
-    return in_background(lambda: httpx.post(f"{server.url}/v1/completions", json=body,
-                                             headers=headers, timeout=60))  # fmt: skip
+    return in_background(
+        lambda: httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    )
 
 
 def handoff_state(cluster: Cluster, kv: dict[str, Any]) -> str | None:
@@ -107,8 +108,11 @@ def test_s5_cancel_while_queued_on_the_decode_node(cluster: Cluster) -> None:
             post(busy, "/v1/completions", {**body, "kv_transfer_params": kv}, timeout=0.5)
         assert kv_state(busy)["num_waiting"] <= 1
         # Released well before the 2 s lease (the seat's own handoff is still being read).
-        wait_for(lambda: handoff_state(cluster, kv) is None, RELEASED_WITHIN_S + 0.2,
-                 "the queued leg's handoff to be released")  # fmt: skip
+        wait_for(
+            lambda: handoff_state(cluster, kv) is None,
+            RELEASED_WITHIN_S + 0.2,
+            "the queued leg's handoff to be released",
+        )
         seated.join()
         wait_idle(busy, RELEASED_WITHIN_S)
         wait_idle(cluster.prefill, RELEASED_WITHIN_S)
@@ -208,8 +212,10 @@ def test_s21_preempted_after_the_transfer_recomputes_without_a_second_read(
     cluster: Cluster,
 ) -> None:
     with node(cluster.model, "--role", "decode", "--num-kv-blocks", "14") as small:
-        bodies = [completion(make_prompt(40, seed=21 + i), max_tokens=60, ignore_eos=True)
-                  for i in range(4)]  # fmt: skip
+        bodies = [
+            completion(make_prompt(40, seed=21 + i), max_tokens=60, ignore_eos=True)
+            for i in range(4)
+        ]
         expected = [reference(cluster, b) for b in bodies]
         params = [prefill_leg(cluster.prefill, b)["kv_transfer_params"] for b in bodies]
         with ThreadPoolExecutor(4) as pool:
@@ -233,8 +239,9 @@ def test_s22_prefill_node_drains_its_handoffs_before_exiting(cluster: Cluster) -
         kv = prefill_leg(prefill, body)["kv_transfer_params"]
         prefill.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
-        refused = post(prefill, "/v1/completions",
-                       {**body, "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+        refused = post(
+            prefill, "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}}
+        )
         assert refused.status_code == 503
         assert prefill.process.poll() is None  # still holding the handoff for its reader
         assert decode_leg(cluster.decode, body, kv).status_code == 200
@@ -250,8 +257,11 @@ def test_s22_decode_node_releases_unread_handoffs_when_stopped(cluster: Cluster)
     """The drain releases the queued legs' handoffs and answers those legs 503, streaming
     or not (never a 200 with an empty completion). The running request would finish; an
     admin abort ends it sooner, answered 409."""
-    busy = start_server(*node_args(cluster.model, "--role", "decode", "--max-num-seqs", "1",
-                                   "--drain-timeout-s", "10"))  # fmt: skip
+    busy = start_server(
+        *node_args(
+            cluster.model, "--role", "decode", "--max-num-seqs", "1", "--drain-timeout-s", "10"
+        )
+    )
     try:
         occupier, occupied = occupy(busy)
         wait_for(lambda: kv_state(busy)["num_running"] == 1, 10, "the occupier to run")
@@ -351,8 +361,12 @@ def _release_between_legs(cluster: Cluster, body: dict[str, Any], rng: random.Ra
 def _cancel_decode(cluster: Cluster, body: dict[str, Any], rng: random.Random) -> None:
     kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
     with contextlib.suppress(httpx.TimeoutException):
-        post(cluster.decode, "/v1/completions", {**body, "kv_transfer_params": kv},
-             timeout=rng.uniform(0.001, 0.05))  # fmt: skip
+        post(
+            cluster.decode,
+            "/v1/completions",
+            {**body, "kv_transfer_params": kv},
+            timeout=rng.uniform(0.001, 0.05),
+        )
 
 
 def _bad_decode_leg(cluster: Cluster, body: dict[str, Any], rng: random.Random) -> None:
@@ -365,5 +379,12 @@ def _unreachable_control(cluster: Cluster, body: dict[str, Any], rng: random.Ran
     return token_ids(decode_leg(cluster.decode, body, {**kv, "remote_port": 9}).json())
 
 
-PLANS = [_complete, _complete, _cancel_prefill, _release_between_legs, _cancel_decode,
-         _bad_decode_leg, _unreachable_control]  # fmt: skip
+PLANS = [
+    _complete,
+    _complete,
+    _cancel_prefill,
+    _release_between_legs,
+    _cancel_decode,
+    _bad_decode_leg,
+    _unreachable_control,
+]

@@ -262,15 +262,22 @@ class Node:
     ) -> None:
         self.agent_name = agent_name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.disagg.test_transport", "node", agent_name, role,
-             str(close_timeout_s)],
+            [
+                sys.executable,
+                "-m",
+                "tests.disagg.test_transport",
+                "node",
+                agent_name,
+                role,
+                str(close_timeout_s),
+            ],
             cwd=REPO_ROOT,
             env=node_env(ucx_tls),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         self._messages: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._pump_stdout, daemon=True).start()
@@ -329,8 +336,13 @@ class Node:
 
 
 def read_command(owner: Node, remote: list[int], local: list[int], timeout_s: float) -> dict:
-    return {"op": "read", "peer": owner.info(), "remote": remote, "local": local,
-            "timeout_s": timeout_s}  # fmt: skip
+    return {
+        "op": "read",
+        "peer": owner.info(),
+        "remote": remote,
+        "local": local,
+        "timeout_s": timeout_s,
+    }
 
 
 needs_nixl = pytest.mark.skipif(

@@ -108,11 +108,14 @@ def stub() -> Iterator[Stub]:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    app = Starlette(routes=[
-        Route("/v1/completions", completion, methods=["POST"]),
-        Route("/v1/chat/completions", completion, methods=["POST"]),
-        Route("/health", health), Route("/v1/abort_requests", health, methods=["POST"]),
-    ])  # fmt: skip
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/chat/completions", completion, methods=["POST"]),
+            Route("/health", health),
+            Route("/v1/abort_requests", health, methods=["POST"]),
+        ]
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -162,8 +165,9 @@ def slow_link() -> Iterator[Any]:
         host, port = node_url.removeprefix("http://").rsplit(":", 1)
         listener = socket.create_server(("127.0.0.1", 0))
         listeners.append(listener)
-        threading.Thread(target=serve, args=(listener, (host, int(port)), delay_s),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=serve, args=(listener, (host, int(port)), delay_s), daemon=True
+        ).start()
         return SlowLink(f"http://127.0.0.1:{listener.getsockname()[1]}", delay_s)
 
     yield start

@@ -22,8 +22,18 @@ QUESTION = [{"role": "user", "content": "Name three colours"}]
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir: Path) -> Iterator[Server]:
-    node = start_server("--model", str(chat_model_dir), "--dtype", "float32", "--num-kv-blocks",
-                        "64", "--max-model-len", "512", "--api-key", API_KEY)  # fmt: skip
+    node = start_server(
+        "--model",
+        str(chat_model_dir),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        API_KEY,
+    )
     try:
         yield node
     finally:
@@ -39,15 +49,37 @@ def assembled(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def test_chunks_fold_into_one_choice_per_index() -> None:
     def chunk(index: int, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
-                "choices": [{"index": index, "text": text, "token_ids": ids,
-                             "finish_reason": finish, "stop_reason": None,
-                             "logprobs": {"tokens": [text], "token_logprobs": [-1]}}]}  # fmt: skip
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 5,
+            "model": "m",
+            "choices": [
+                {
+                    "index": index,
+                    "text": text,
+                    "token_ids": ids,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "logprobs": {"tokens": [text], "token_logprobs": [-1]},
+                }
+            ],
+        }
 
-    answer = assembled([chunk(1, "b", [2], None), chunk(0, "a", [1], None),
-                        chunk(0, "c", [3], "length"), chunk(1, "d", [4], "stop"),
-                        {"id": "cmpl-1", "object": "text_completion", "choices": [],
-                         "usage": {"completion_tokens": 4}}])  # fmt: skip
+    answer = assembled(
+        [
+            chunk(1, "b", [2], None),
+            chunk(0, "a", [1], None),
+            chunk(0, "c", [3], "length"),
+            chunk(1, "d", [4], "stop"),
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "choices": [],
+                "usage": {"completion_tokens": 4},
+            },
+        ]
+    )
     assert [c["text"] for c in answer["choices"]] == ["ac", "bd"]
     assert [c["token_ids"] for c in answer["choices"]] == [[1, 3], [2, 4]]
     assert [c["finish_reason"] for c in answer["choices"]] == ["length", "stop"]
@@ -57,22 +89,32 @@ def test_chunks_fold_into_one_choice_per_index() -> None:
 
 def test_chat_deltas_fold_into_one_message() -> None:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"id": "c", "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                             "logprobs": None}]}  # fmt: skip
+        return {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
 
-    answer = assembled([chunk({"role": "assistant", "content": "Hel"}),
-                        chunk({"content": "lo"}, "stop")])  # fmt: skip
+    answer = assembled(
+        [chunk({"role": "assistant", "content": "Hel"}), chunk({"content": "lo"}, "stop")]
+    )
     assert answer["object"] == "chat.completion"
-    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
-                                  "finish_reason": "stop", "logprobs": None}]  # fmt: skip
+    assert answer["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello"},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ]
 
 
 def _stream(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     assembler = StreamAssembler()
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{server.url}{path}", json=stream_body, headers=HEADERS,
-                      timeout=120) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server.url}{path}", json=stream_body, headers=HEADERS, timeout=120
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -83,22 +125,58 @@ def _stream(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12,
-                             "logprobs": 2, "return_token_ids": True}),
-        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 10, "n": 2,
-                             "temperature": 0.9, "seed": 3, "logprobs": 1}),
-        ("/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 16, "stop": ["L2"],
-                             "logprobs": 1}),
-        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 12, "logprobs": True,
-                                  "top_logprobs": 2, "return_token_ids": True}),
-        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10, "n": 2,
-                                  "temperature": 0.9, "seed": 5}),
-        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 24, "stop": ["{$i"],
-                                  "logprobs": True}),
+        (
+            "/v1/completions",
+            {
+                "prompt": "The capital of France is",
+                "max_tokens": 12,
+                "logprobs": 2,
+                "return_token_ids": True,
+            },
+        ),
+        (
+            "/v1/completions",
+            {
+                "prompt": "Once upon a time",
+                "max_tokens": 10,
+                "n": 2,
+                "temperature": 0.9,
+                "seed": 3,
+                "logprobs": 1,
+            },
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "1, 2, 3,", "max_tokens": 16, "stop": ["L2"], "logprobs": 1},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": QUESTION,
+                "max_tokens": 12,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "return_token_ids": True,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "max_tokens": 10, "n": 2, "temperature": 0.9, "seed": 5},
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "max_tokens": 24, "stop": ["{$i"], "logprobs": True},
+        ),
     ],
-    ids=["completion-logprobs-ids", "completion-n2", "completion-stop", "chat-logprobs-ids",
-         "chat-n2", "chat-stop"],
-)  # fmt: skip
+    ids=[
+        "completion-logprobs-ids",
+        "completion-n2",
+        "completion-stop",
+        "chat-logprobs-ids",
+        "chat-n2",
+        "chat-stop",
+    ],
+)
 def test_an_assembled_stream_equals_the_non_streaming_answer(
     server: Server, path: str, body: dict[str, Any]
 ) -> None:

@@ -46,12 +46,22 @@ def test_kv_usage_is_read_from_the_vllm_metric() -> None:
 
 
 def test_usage_combines_prompt_and_cache_of_the_prefill_leg_with_the_decode_completion() -> None:
-    prefill = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
-               "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
-    decode = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52,
-              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
-    assert merge_usage(prefill, decode) == {
-        "prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52,
+    prefill = {
+        "prompt_tokens": 40,
+        "completion_tokens": 1,
+        "total_tokens": 41,
         "prompt_tokens_details": {"cached_tokens": 32},
-    }  # fmt: skip
+    }
+    decode = {
+        "prompt_tokens": 40,
+        "completion_tokens": 12,
+        "total_tokens": 52,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert merge_usage(prefill, decode) == {
+        "prompt_tokens": 40,
+        "completion_tokens": 12,
+        "total_tokens": 52,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
     assert merge_usage({}, {"prompt_tokens": 5, "completion_tokens": 2})["total_tokens"] == 7

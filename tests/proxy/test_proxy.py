@@ -63,17 +63,25 @@ def test_openai_client_through_the_proxy_equals_the_single_node(
     prompt = make_prompt(37, seed=50)
     expected = reference(cluster, completion(prompt, max_tokens=10))
     answer = client.completions.create(
-        model=str(cluster.model), prompt=prompt, max_tokens=10, temperature=0,
+        model=str(cluster.model),
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert answer.choices[0].model_extra["token_ids"] == expected
     assert answer.usage.prompt_tokens == 37 and answer.usage.completion_tokens == 10
     streamed: list[int] = []
     usage = None
     for chunk in client.completions.create(
-        model=str(cluster.model), prompt=prompt, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
-    ):  # fmt: skip
+        model=str(cluster.model),
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    ):
         if chunk.choices:
             streamed += chunk.choices[0].model_extra["token_ids"]
         if chunk.usage:
@@ -108,8 +116,9 @@ def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_f
         assert deep.status_code == 400, deep.text
         assert set(deep.json()["error"]) == {"message", "type", "param", "code"}
         assert "nested deeper" in deep.json()["error"]["message"]
-    huge = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * (5 << 20), headers=HEADERS,
-                      timeout=30)  # fmt: skip
+    huge = httpx.post(
+        f"{proxy.url}/v1/completions", content=b"x" * (5 << 20), headers=HEADERS, timeout=30
+    )
     assert huge.status_code == 413
     for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/v2/nothing", 404)):
         routing = httpx.request(method, f"{proxy.url}{path}", headers=HEADERS, timeout=5)
@@ -128,8 +137,11 @@ def departures(proxy: Server, *request_ids: str) -> dict[str, str]:
     deadline = time.monotonic() + 5
     while True:
         rows = httpx.get(f"{proxy.url}/admin/departures", headers=HEADERS, timeout=5).json()
-        found = {r["request_id"]: r["stage"] for r in rows["departures"]
-                 if r["request_id"] in request_ids}  # fmt: skip
+        found = {
+            r["request_id"]: r["stage"]
+            for r in rows["departures"]
+            if r["request_id"] in request_ids
+        }
         if len(found) == len(request_ids) or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
@@ -140,8 +152,12 @@ def test_s1_client_gone_during_the_prefill_leg(cluster: Cluster, proxy_for: Any)
     body = completion(make_prompt(400, seed=52), max_tokens=50)
     for timeout_s in (0.002, 0.005, 0.01, 0.02):
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=timeout_s,
-                       headers={**HEADERS, "X-Request-Id": f"s1-{timeout_s}"})  # fmt: skip
+            httpx.post(
+                f"{proxy.url}/v1/completions",
+                json=body,
+                timeout=timeout_s,
+                headers={**HEADERS, "X-Request-Id": f"s1-{timeout_s}"},
+            )
     assert_cluster_idle(cluster)  # an answer in flight too: released by its token
     stages = departures(proxy, "s1-0.002", "s1-0.005", "s1-0.01", "s1-0.02")
     assert stages["s1-0.002"] == "prefill"  # a 400-token prefill takes longer than 2 ms
@@ -161,8 +177,12 @@ def test_s2_client_gone_while_the_prefill_answer_is_in_flight_releases_it(
 
     def send() -> None:
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=0.4,
-                       headers={**HEADERS, "X-Request-Id": "in-flight"})  # fmt: skip
+            httpx.post(
+                f"{proxy.url}/v1/completions",
+                json=body,
+                timeout=0.4,
+                headers={**HEADERS, "X-Request-Id": "in-flight"},
+            )
 
     client = threading.Thread(target=send)
     client.start()
@@ -180,12 +200,17 @@ def test_s2_client_gone_while_the_prefill_answer_is_in_flight_releases_it(
 def test_s3_client_gone_between_the_legs_releases_the_handoff(
     cluster: Cluster, proxy_for: Any
 ) -> None:
-    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url],
-                      "--debug-delay-between-legs-s", "0.5")  # fmt: skip
+    proxy = proxy_for(
+        [cluster.prefill.url], [cluster.decode.url], "--debug-delay-between-legs-s", "0.5"
+    )
     released_before = metric(proxy, "pdserve_proxy_releases_total")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{proxy.url}/v1/completions", json=completion(make_prompt(40, seed=53)),
-                   headers={**HEADERS, "X-Request-Id": "s3-client"}, timeout=0.25)  # fmt: skip
+        httpx.post(
+            f"{proxy.url}/v1/completions",
+            json=completion(make_prompt(40, seed=53)),
+            headers={**HEADERS, "X-Request-Id": "s3-client"},
+            timeout=0.25,
+        )
     handoffs = kv_state(cluster.prefill)["handoffs"]  # held while the proxy pauses
     assert [h["client_request_id"] for h in handoffs] == ["s3-client"]  # the proxy passed it on
     time.sleep(0.3)  # the pause ends: the proxy finds its client gone
@@ -199,8 +224,9 @@ def test_s7_client_gone_during_decode_frees_both_nodes(cluster: Cluster, proxy_f
     proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
     body = completion(make_prompt(30, seed=54), max_tokens=400, ignore_eos=True, stream=True)
     headers = {**HEADERS, "X-Request-Id": "s7-client"}
-    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=headers,
-                      timeout=30) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{proxy.url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as response:
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
@@ -217,8 +243,9 @@ IDLE_BOUND_S = 1.0
 @pytest.fixture(scope="module")
 def slow_decode(cluster: Cluster) -> Iterator[Server]:
     """A decode node that answers each step 50 ms late: slow but steady."""
-    node = start_server(*node_args(cluster.model, "--role", "decode",
-                                   "--debug-step-delay-s", "0.05"))  # fmt: skip
+    node = start_server(
+        *node_args(cluster.model, "--role", "decode", "--debug-step-delay-s", "0.05")
+    )
     try:
         yield node
     finally:
@@ -229,8 +256,9 @@ def slow_decode(cluster: Cluster) -> Iterator[Server]:
 def test_a_non_streaming_answer_longer_than_the_decode_timeout_completes(
     cluster: Cluster, proxy_for: Any, slow_decode: Server
 ) -> None:
-    proxy = proxy_for([cluster.prefill.url], [slow_decode.url],
-                      "--decode-timeout-s", str(IDLE_BOUND_S))  # fmt: skip
+    proxy = proxy_for(
+        [cluster.prefill.url], [slow_decode.url], "--decode-timeout-s", str(IDLE_BOUND_S)
+    )
     body = completion(make_prompt(30, seed=62), max_tokens=60, ignore_eos=True)
     started = time.monotonic()
     response = post(proxy, "/v1/completions", body)
@@ -248,8 +276,9 @@ def test_a_decode_node_that_stops_producing_is_cut_and_its_handoff_freed(
     """SIGSTOP freezes the decode node: before the leg reaches it (the handoff is still
     held: the proxy releases it, well before its 2 s lease), then mid-answer. Each time the
     client gets a 504 once the leg was silent for the idle bound."""
-    proxy = proxy_for([cluster.prefill.url], [slow_decode.url],
-                      "--decode-timeout-s", str(IDLE_BOUND_S))  # fmt: skip
+    proxy = proxy_for(
+        [cluster.prefill.url], [slow_decode.url], "--decode-timeout-s", str(IDLE_BOUND_S)
+    )
     released_before = metric(proxy, "pdserve_proxy_releases_total")
     signal_whole(slow_decode, signal.SIGSTOP)
     try:
@@ -340,8 +369,14 @@ def test_decode_node_errors_reach_the_client_with_their_status(
     cluster: Cluster, proxy_for: Any, stub: Stub, status: int
 ) -> None:
     stub.status = status
-    stub.body = {"error": {"message": f"stub says {status}", "type": "stub_error",
-                           "param": None, "code": status}}  # fmt: skip
+    stub.body = {
+        "error": {
+            "message": f"stub says {status}",
+            "type": "stub_error",
+            "param": None,
+            "code": status,
+        }
+    }
     proxy = proxy_for([cluster.prefill.url], [stub.url])
     for stream in (False, True):
         body = completion(make_prompt(20, seed=58), stream=stream)
@@ -371,8 +406,9 @@ def test_killed_nodes_leave_the_cluster_serving_and_leak_nothing(
     extra_prefill = start_server(*node_args(cluster.model, "--role", "prefill"))
     extra_decode = start_server(*node_args(cluster.model, "--role", "decode"))
     try:
-        proxy = proxy_for([cluster.prefill.url, extra_prefill.url],
-                          [cluster.decode.url, extra_decode.url])  # fmt: skip
+        proxy = proxy_for(
+            [cluster.prefill.url, extra_prefill.url], [cluster.decode.url, extra_decode.url]
+        )
         body = completion(make_prompt(30, seed=60), max_tokens=6)
         expected = reference(cluster, body)
         assert token_ids(post(proxy, "/v1/completions", body).json()) == expected
@@ -397,8 +433,9 @@ def test_upstream_stream_broken_midway_ends_with_an_error_event(
         proxy = proxy_for([cluster.prefill.url], [decode.url])
         body = completion(make_prompt(30, seed=61), max_tokens=400, ignore_eos=True, stream=True)
         events = []
-        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, headers=HEADERS,
-                          timeout=30) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{proxy.url}/v1/completions", json=body, headers=HEADERS, timeout=30
+        ) as response:
             for line in response.iter_lines():
                 events.append(line)
                 if len(events) == 6:
@@ -415,16 +452,21 @@ def _send_half_a_request(url: str) -> None:
     """A client that declares a body and leaves before sending all of it."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                     b"authorization: Bearer " + API_KEY.encode() + b"\r\nx-request-id: half\r\n"
-                     b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
-                     b'{"prompt": [1, 2')  # fmt: skip
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+            b"authorization: Bearer " + API_KEY.encode() + b"\r\nx-request-id: half\r\n"
+            b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+            b'{"prompt": [1, 2'
+        )
 
 
 def _count(server: Server, needle: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if not line.startswith("#") and needle in line)  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if not line.startswith("#") and needle in line
+    )
 
 
 def test_a_client_gone_before_its_body_arrived_is_counted_not_a_crash(
@@ -432,8 +474,10 @@ def test_a_client_gone_before_its_body_arrived_is_counted_not_a_crash(
 ) -> None:
     """Found by the chaos soak: the proxy and the node raised on a half-sent body."""
     proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
-    for server, needle in ((proxy, 'pdserve_proxy_requests_total{outcome="client_gone"}'),
-                           (cluster.single, 'outcome="http_499"')):  # fmt: skip
+    for server, needle in (
+        (proxy, 'pdserve_proxy_requests_total{outcome="client_gone"}'),
+        (cluster.single, 'outcome="http_499"'),
+    ):
         before = _count(server, needle)
         _send_half_a_request(server.url)
         deadline = time.monotonic() + 5

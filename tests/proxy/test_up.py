@@ -36,8 +36,18 @@ def _cpu_levels() -> list[Any]:
 @pytest.mark.parametrize("cpu_level", _cpu_levels())
 def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(cpu_level: str) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--max-tokens", "16",
-           "--ask", "What is the capital of France?"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--port",
+        str(port),
+        "--max-tokens",
+        "16",
+        "--ask",
+        "What is the capital of France?",
+    ]
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_CPU_ISA": cpu_level}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -75,8 +85,9 @@ def _alive(pid: int, started: str) -> bool:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
-                         ids=["sigterm", "sigint", "sigkill"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["sigterm", "sigint", "sigkill"]
+)
 def test_no_node_outlives_pdserve_up(
     sig: signal.Signals, tiny_model_dir: Any, tmp_path: Path
 ) -> None:
@@ -85,8 +96,20 @@ def test_no_node_outlives_pdserve_up(
     Idle before that, at the default log level, it prints nothing (it printed the health
     checks, two lines a second)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
-           "--model", str(tiny_model_dir("llama")), "--num-kv-blocks", "64"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--num-kv-blocks",
+        "64",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_LOG_LEVEL"}
     console = tmp_path / "console.txt"
     with console.open("wb") as output:
