@@ -1,5 +1,10 @@
-"""The `pdserve` command line: `generate` (offline) and `bench`; `serve`, `proxy` and
-`up` arrive with the server and P/D issues."""
+"""The `pdserve` command line: `serve` (one node: a whole one, or the prefill or decode
+half of a P/D pair), `proxy` (the P/D router in front of such nodes), `up` (a local proxy +
+prefill + decode cluster in one command), `generate` (offline) and `bench`.
+
+This is the launcher: it builds every configuration once from its flags (their defaults are
+the config dataclasses' own) and, for `serve`, picks the engine's KV connector by role.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,52 @@ import sys
 from collections.abc import Sequence
 
 from pdserve import envs, logs
-from pdserve.config import CacheConfig
+from pdserve.config import (
+    DTYPES,
+    KERNEL_CHOICES,
+    LOAD_FORMATS,
+    CacheConfig,
+    ModelConfig,
+    ProxyConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, KVTransportKind, Role
 from pdserve.errors import ConfigError, PdserveError
+from pdserve.seams import Seams
+
+GIB = 1 << 30
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="default", help="HF directory, .gguf file, or `default`")
     g.add_argument(
-        "--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"]
+        "--model", default=ModelConfig.model, help="HF directory, .gguf file, or `default`"
     )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default=ModelConfig.load_format, choices=LOAD_FORMATS)
+    g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES)
+    g.add_argument("--device", default=ModelConfig.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len)
     g.add_argument(
         "--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block"
     )
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=CacheConfig.num_blocks, help="KV pool size in blocks"
+    )
+    g.add_argument(
+        "--kv-cache-memory-gib", type=float, default=CacheConfig.kv_cache_memory_bytes / GIB
+    )
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=ModelConfig.seed)
     g.add_argument(
         "--kernels",
-        default="auto",
-        choices=["auto", "torch", "triton"],
+        default=ModelConfig.kernels,
+        choices=KERNEL_CHOICES,
         help="auto: fused bf16 CPU kernels where the CPU has AVX512-BF16; torch: PyTorch "
         "ops; triton: Triton paged decode attention on CUDA",
     )
@@ -48,7 +72,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "num_blocks": args.num_kv_blocks,
-        "kv_cache_memory_bytes": int(args.kv_cache_memory_gib * (1 << 30)),
+        "kv_cache_memory_bytes": int(args.kv_cache_memory_gib * GIB),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
@@ -84,36 +108,32 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.api.lifecycle import run_server
+    from pdserve.disagg.connectors import connector_factory
     from pdserve.engine.async_client import AsyncEngineClient
     from pdserve.llm import engine_config
 
     api_key = args.api_key or envs.api_key()
-    config = engine_config(
-        model=args.model,
-        **engine_options(args),
-        role=args.role,
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_name=args.served_model_name,
+        drain_timeout_s=args.drain_timeout_s,
+        parent_pid=args.parent_pid,
+    )
+    kv_transfer = KVTransferConfig(
+        role=Role(args.role),
         lease_s=args.lease_s,
         claim_timeout_s=args.claim_timeout_s,
-        kv_load_failure=args.kv_load_failure,
-        transport=args.kv_transport,
+        kv_load_failure=KVLoadFailurePolicy(args.kv_load_failure),
+        transport=KVTransportKind(args.kv_transport),
         cluster_secret=args.cluster_secret or envs.cluster_secret() or api_key,
-        debug_read_delay_s=args.debug_kv_read_delay_s,
+        advertise_host=args.advertise_host,
     )
-    client = AsyncEngineClient(config)
-    name = args.served_model_name or args.model
-    asyncio.run(
-        run_server(
-            client,
-            args.host,
-            args.port,
-            api_key,
-            name,
-            args.drain_timeout_s,
-            args.advertise_host,
-            args.parent_pid,
-            args.debug_step_delay_s,
-        )
-    )
+    seams = Seams(kv_read_delay_s=args.debug_kv_read_delay_s, step_delay_s=args.debug_step_delay_s)
+    engine = engine_config(model=args.model, **engine_options(args))
+    client = AsyncEngineClient(engine, connector_factory(kv_transfer, seams))
+    asyncio.run(run_server(client, server, kv_transfer, seams))
     return 0
 
 
@@ -121,20 +141,22 @@ def _proxy(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.proxy.app import ProxyState, run_proxy
-    from pdserve.proxy.pool import BackendPool
 
     api_key = args.api_key or envs.api_key()
-    state = ProxyState(
-        prefill=BackendPool("prefill", args.prefill),
-        decode=BackendPool("decode", args.decode),
+    config = ProxyConfig(
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        host=args.host,
+        port=args.port,
         api_key=api_key,
         node_api_key=args.node_api_key or api_key,
         prefill_timeout_s=args.prefill_timeout_s,
         decode_timeout_s=args.decode_timeout_s,
         health_interval_s=args.health_interval_s,
-        debug_between_legs_s=args.debug_delay_between_legs_s,
+        parent_pid=args.parent_pid,
     )
-    asyncio.run(run_proxy(state, args.host, args.port, args.parent_pid))
+    seams = Seams(between_legs_s=args.debug_delay_between_legs_s)
+    asyncio.run(run_proxy(ProxyState(config, seams)))
     return 0
 
 
@@ -159,7 +181,21 @@ def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_proxy_parser(sub)
 
+    from pdserve.proxy.up import add_parser as add_up_parser
+
+    add_up_parser(sub)
+
+    from pdserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -173,21 +209,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI API on one node")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default=ServerConfig.host)
+    srv.add_argument("--port", type=int, default=ServerConfig.port)
     srv.add_argument("--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
-    srv.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    srv.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=ServerConfig.drain_timeout_s,
+        help="SIGTERM grace period",
+    )
     srv.add_argument("--debug-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_parent_pid_arg(srv)
     add_log_level_arg(srv)
-    pd = srv.add_argument_group("prefill/decode disaggregation")
+    _add_disagg_args(srv.add_argument_group("prefill/decode disaggregation"))
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
+
+def _add_disagg_args(pd: argparse._ArgumentGroup) -> None:
     pd.add_argument(
         "--role",
-        default="both",
-        choices=["both", "prefill", "decode"],
+        default=KVTransferConfig.role.value,
+        choices=[r.value for r in Role],
         help="both: a whole node; prefill: holds prompts' KV for decode nodes; decode: pulls it",
     )
     pd.add_argument(
@@ -196,55 +244,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill: the address decode nodes use to reach this node (remote_host); "
         "default: --host, or this machine's address when --host is 0.0.0.0",
     )
-    pd.add_argument("--lease-s", type=float, default=5.0, help="prefill: unrenewed handoff life")
-    pd.add_argument("--claim-timeout-s", type=float, default=10.0, help="prefill: longest read")
+    pd.add_argument(
+        "--lease-s",
+        type=float,
+        default=KVTransferConfig.lease_s,
+        help="prefill: unrenewed handoff life",
+    )
+    pd.add_argument(
+        "--claim-timeout-s",
+        type=float,
+        default=KVTransferConfig.claim_timeout_s,
+        help="prefill: longest read",
+    )
     pd.add_argument(
         "--kv-load-failure",
-        default="recompute",
-        choices=["recompute", "fail"],
+        default=KVTransferConfig.kv_load_failure.value,
+        choices=[p.value for p in KVLoadFailurePolicy],
         help="decode: what to do when a claim is refused or a read fails",
     )
-    pd.add_argument("--kv-transport", default="nixl", choices=["nixl", "inprocess"])
+    pd.add_argument(
+        "--kv-transport",
+        default=KVTransferConfig.transport.value,
+        choices=[t.value for t in KVTransportKind],
+    )
     pd.add_argument("--debug-kv-read-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     pd.add_argument(
         "--cluster-secret",
         default=None,
         help="bearer credential between nodes (or PDSERVE_CLUSTER_SECRET; default: the API key)",
     )
-    add_engine_args(srv)
-    srv.set_defaults(func=_serve)
 
+
+def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     prx = sub.add_parser("proxy", help="the OpenAI API in front of prefill and decode nodes")
-    prx.add_argument("--host", default="127.0.0.1")
-    prx.add_argument("--port", type=int, default=8000)
+    prx.add_argument("--host", default=ProxyConfig.host)
+    prx.add_argument("--port", type=int, default=ProxyConfig.port)
     prx.add_argument("--prefill", action="append", required=True, help="prefill node URL")
     prx.add_argument("--decode", action="append", required=True, help="decode node URL")
     prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
     prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
-    prx.add_argument("--prefill-timeout-s", type=float, default=300.0)
+    prx.add_argument("--prefill-timeout-s", type=float, default=ProxyConfig.prefill_timeout_s)
     prx.add_argument(
         "--decode-timeout-s",
         type=float,
-        default=300.0,
+        default=ProxyConfig.decode_timeout_s,
         help="longest silence of a decode leg (until its first token, then between "
         "tokens); an answer that keeps coming is never cut",
     )
-    prx.add_argument("--health-interval-s", type=float, default=1.0)
+    prx.add_argument("--health-interval-s", type=float, default=ProxyConfig.health_interval_s)
     add_parent_pid_arg(prx)
     add_log_level_arg(prx)
     prx.add_argument(
         "--debug-delay-between-legs-s", type=float, default=0.0, help=argparse.SUPPRESS
     )
     prx.set_defaults(func=_proxy)
-
-    from pdserve.proxy.up import add_parser as add_up_parser
-
-    add_up_parser(sub)
-
-    from pdserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-    return parser
 
 
 def _config_file_argv(path: str) -> list[str]:

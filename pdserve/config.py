@@ -1,8 +1,10 @@
-"""Engine configuration: frozen dataclasses with a documented default per field.
+"""Configuration: frozen dataclasses with a documented default per field, for the engine,
+a node's HTTP server and the proxy (a node's P/D settings: `pdserve.disagg.config`).
 
 Built once (from CLI flags, an optional config file, or `pdserve.LLM(...)` keyword
 arguments) and validated at construction: a bad value raises `ConfigError` at start-up,
-never later. Environment variables are read in one place, `pdserve.envs`.
+never later. The CLI's defaults are these fields' defaults. Environment variables are read
+in one place, `pdserve.envs`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ from dataclasses import dataclass, field
 from pdserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ROLES = ("both", "prefill", "decode")
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-KV_TRANSPORTS = ("nixl", "inprocess")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 KERNEL_CHOICES = ("auto", "torch", "triton")
 
@@ -64,9 +63,9 @@ class CacheConfig:
     block_size: int = 64
     """Tokens per KV block. 64 because decode attention streams each sequence's blocks,
     scattered over the pool, from memory: longer contiguous runs keep the hardware
-    prefetchers going (the mixed benchmark 1.02-1.09x faster than with 16, outputs
-    identical; docs/benchmarks.md). vLLM's CPU backend defaults to 128 for the same
-    reason. Smaller blocks share shorter prompt prefixes; pass 16 where that matters more."""
+    prefetchers going (measured against 16 in docs/benchmarks.md, outputs identical).
+    vLLM's CPU backend defaults to 128 for the same reason. Smaller blocks share shorter
+    prompt prefixes; pass 16 where that matters more."""
     num_blocks: int | None = None
     """Blocks in the pool; default: derived from `kv_cache_memory_bytes`."""
     kv_cache_memory_bytes: int = 1 << 30
@@ -104,51 +103,60 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class KVTransferConfig:
-    """Prefill/decode disaggregation (DESIGN §2). Unused on a `both` node."""
-
-    role: str = "both"
-    """`both` (one node serves everything), `prefill` (holds prompts' KV for remote decode
-    nodes) or `decode` (pulls prompts' KV from prefill nodes)."""
-    lease_s: float = 5.0
-    """Prefill node: a held handoff not renewed for this long is released (crashed decode)."""
-    claim_timeout_s: float = 10.0
-    """Prefill node: a claimed handoff whose read has not ended by then is released; the
-    decode node stops trusting its read a margin before that."""
-    kv_load_failure: str = "recompute"
-    """Decode node, when a claim is refused or a read fails: `recompute` the prompt locally
-    (same output) or `fail` the request."""
-    transport: str = "nixl"
-    """`nixl` (NIXL over UCX, the real data plane) or `inprocess` (unit tests only)."""
-    cluster_secret: str | None = None
-    """Bearer credential for node-to-node control calls; default: the node's API key."""
-    debug_read_delay_s: float = 0.0
-    """Testing only: a decode node waits this long between a granted claim and its read,
-    to open the "claimed, reading" window (S6, S10) wide enough to hit on purpose."""
-
-    def __post_init__(self) -> None:
-        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
-        _require(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
-        _require(self.debug_read_delay_s >= 0, "debug_read_delay_s must be >= 0")
-        _require(
-            self.claim_timeout_s > 1,
-            f"claim_timeout_s must be > 1 s (the decode node keeps a margin), "
-            f"got {self.claim_timeout_s}",
-        )
-        _require(
-            self.kv_load_failure in KV_LOAD_FAILURE_POLICIES,
-            f"kv_load_failure must be one of {KV_LOAD_FAILURE_POLICIES}, "
-            f"got {self.kv_load_failure!r}",
-        )
-        _require(
-            self.transport in KV_TRANSPORTS,
-            f"transport must be one of {KV_TRANSPORTS}, got {self.transport!r}",
-        )
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One node's HTTP server (`pdserve serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Bearer key clients must send; None: no authentication."""
+    served_model_name: str | None = None
+    """The model's id in the API; default: the model path given to the engine."""
+    drain_timeout_s: float = 30.0
+    """After SIGTERM, how long in-flight requests may take before they are aborted."""
+    parent_pid: int | None = None
+    """Drain and exit once this process is gone (launchers such as `pdserve up` set it)."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The P/D proxy (`pdserve proxy`, `pdserve up`)."""
+
+    prefill_urls: tuple[str, ...]
+    """The prefill nodes, `http://host:port` each."""
+    decode_urls: tuple[str, ...]
+    """The decode nodes."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Bearer key clients must send; None: no authentication."""
+    node_api_key: str | None = None
+    """Bearer key sent to the nodes; None: none."""
+    prefill_timeout_s: float = 300.0
+    """The whole prefill leg."""
+    decode_timeout_s: float = 300.0
+    """The longest silence of a decode leg: connecting, until its first token, and between
+    two chunks of its stream (every leg streams). Never a bound on the answer's length."""
+    health_interval_s: float = 1.0
+    """Between two health checks of every node."""
+    parent_pid: int | None = None
+    """Stop once this process is gone."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.prefill_urls), "at least one prefill node is needed")
+        _require(bool(self.decode_urls), "at least one decode node is needed")
+        _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "health_interval_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"{name} must be > 0, got {value}")

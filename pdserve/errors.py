@@ -51,6 +51,15 @@ class ModelLoadError(PdserveError):
     error_type = "model_load_error"
 
 
+class KVTransferError(PdserveError):
+    """A decode leg's prompt KV could not come from its prefill node and the request fails
+    (an incompatible prefill node, or policy `fail`): 502, as for any upstream failure. The
+    engine had admitted the leg, so its KV connector has released the handoff."""
+
+    http_status = 502
+    error_type = "kv_transfer_error"
+
+
 class RequestAbortedError(PdserveError):
     """The server aborted a request it had admitted while its caller was still waiting for
     the answer. The caller gets this error, never the engine's aborted output (which would

@@ -7,13 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.config import (
-    CacheConfig,
-    EngineConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.envs import force_hub_offline
 from pdserve.outputs import RequestOutput
@@ -28,7 +22,6 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
-    "kv_transfer": KVTransferConfig,
 }
 
 
@@ -44,7 +37,6 @@ def engine_config(**kwargs: Any) -> EngineConfig:
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
-        kv_transfer=KVTransferConfig(**sections["kv_transfer"]),
     )
 
 

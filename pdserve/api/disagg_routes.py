@@ -1,6 +1,6 @@
-"""HTTP endpoints of P/D nodes: the control channel (`/kv/*`, prefill nodes; see
-`pdserve.disagg.control` for the messages) and the abort API (`/v1/abort_requests`, every
-node).
+"""HTTP endpoints of P/D nodes: the control channel (`/kv/*`, prefill nodes; its bodies
+are the models of `pdserve.disagg.messages`, shared with the decode node's client) and the
+abort API (`/v1/abort_requests`, every node).
 
 Authentication. `/kv/*` calls need the cluster credential (`--cluster-secret`, default the
 API key) when the node has one, plus the handoff's release token in the body for anything
@@ -16,17 +16,29 @@ error event, then `[DONE]`, if its stream had started), never as a completion.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pdserve.api.auth import bearer_matches
-from pdserve.api.errors import error_response, from_exception, read_json
-from pdserve.disagg.handoff import HandoffTable, Outcome
+from pdserve.api.errors import error_response, from_exception, read_json, validate_body
+from pdserve.disagg.handoff import HandoffTable
 from pdserve.disagg.handoff_service import HandoffService
-from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError
+from pdserve.disagg.messages import (
+    AbortOutcome,
+    ClaimBody,
+    ClaimReply,
+    Outcome,
+    OutcomeReply,
+    RefBody,
+    ReleaseBody,
+    RenewBody,
+    RenewReply,
+)
+from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError, StatusError
 
 if TYPE_CHECKING:
     from pdserve.api.server import ServerState
@@ -34,10 +46,12 @@ if TYPE_CHECKING:
 MAX_CONTROL_BODY_BYTES = 1 << 20
 MAX_ABORT_IDS = 1024
 
+Body = TypeVar("Body", bound=BaseModel)
+
 
 def disagg_routes(state: ServerState) -> list[Route]:
     routes = [Route("/v1/abort_requests", _endpoint(state, abort_requests), methods=["POST"])]
-    if state.handoffs is not None:
+    if state.legs.handoffs is not None:
         routes += [
             Route("/kv/handshake", _endpoint(state, handshake), methods=["GET"]),
             Route("/kv/renew", _endpoint(state, renew), methods=["POST"]),
@@ -67,53 +81,41 @@ def is_admin(state: ServerState, request: Request) -> bool:
     return bearer_matches(given, state.api_key, state.cluster_secret)
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    return await read_json(request, MAX_CONTROL_BODY_BYTES)
-
-
-def _ref(data: Any) -> tuple[str, str, str | None]:
-    if not isinstance(data, dict):
-        raise InvalidRequestError("a handoff reference must be an object")
-    handoff_id, token, epoch = data.get("handoff_id"), data.get("release_token"), data.get("epoch")
-    if not isinstance(handoff_id, str) or not isinstance(token, str):
-        raise InvalidRequestError("handoff_id and release_token (strings) are required")
-    if epoch is not None and not isinstance(epoch, str):
-        raise InvalidRequestError("epoch must be a string")
-    return handoff_id, token, epoch
+async def _body(request: Request, model: type[Body]) -> Body:
+    return validate_body(await read_json(request, MAX_CONTROL_BODY_BYTES), model)
 
 
 def _service(state: ServerState) -> HandoffService:
-    assert state.handoffs is not None  # routes exist only on prefill nodes
-    return state.handoffs
+    if state.legs.handoffs is None:  # unreachable: the routes exist only on prefill nodes
+        raise StatusError("not a prefill node", status=404, error_type="not_found_error")
+    return state.legs.handoffs
+
+
+def _reply(reply: BaseModel) -> Response:
+    return JSONResponse(reply.model_dump(mode="json"))
 
 
 # -- control channel (prefill nodes) ---------------------------------------------------
 
 
 async def handshake(state: ServerState, request: Request) -> Response:
-    return JSONResponse(_service(state).handshake().as_json())
+    return JSONResponse(_service(state).handshake().to_json())
 
 
 async def renew(state: ServerState, request: Request) -> Response:
-    refs = (await _json(request)).get("handoffs")
-    if not isinstance(refs, list) or len(refs) > MAX_ABORT_IDS:
-        raise InvalidRequestError(f"handoffs must be a list of at most {MAX_ABORT_IDS} refs")
-    parsed = [_ref(r) for r in refs]
+    body = await _body(request, RenewBody)
     table = _service(state).table
-    return JSONResponse({"outcomes": [table.renew(*ref).value for ref in parsed]})
+    outcomes = [table.renew(r.handoff_id, r.release_token, r.epoch) for r in body.handoffs]
+    return _reply(RenewReply(outcomes=outcomes))
 
 
 async def claim(state: ServerState, request: Request) -> Response:
-    data = await _json(request)
-    ref = _ref(data)
-    block_ids = data.get("block_ids")
-    if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
-        raise InvalidRequestError("block_ids (the blocks to read) must be a list of integers")
+    body = await _body(request, ClaimBody)
     service = _service(state)
-    outcome = await service.apply(lambda t: t.claim(*ref, block_ids))
-    return JSONResponse(
-        {"outcome": outcome.value, "claim_timeout_s": service.table.claim_timeout_s}
+    outcome = await service.apply(
+        lambda t: t.claim(body.handoff_id, body.release_token, body.epoch, body.block_ids)
     )
+    return _reply(ClaimReply(outcome=outcome, claim_timeout_s=service.table.claim_timeout_s))
 
 
 async def done(state: ServerState, request: Request) -> Response:
@@ -125,21 +127,23 @@ async def failed(state: ServerState, request: Request) -> Response:
 
 
 async def _finish_read(state: ServerState, request: Request, ok: bool) -> Response:
-    ref = _ref(await _json(request))
-    outcome = await _service(state).apply(lambda t: t.finish_read(*ref, ok=ok))
-    return JSONResponse({"outcome": outcome.value})
+    body = await _body(request, RefBody)
+    outcome = await _service(state).apply(
+        lambda t: t.finish_read(body.handoff_id, body.release_token, body.epoch, ok=ok)
+    )
+    return _reply(OutcomeReply(outcome=outcome))
 
 
 async def release(state: ServerState, request: Request) -> Response:
-    data = await _json(request)
-    handoff_id, token, epoch = _ref(data)
-    reason = "rejected" if data.get("reason") == "rejected" else "released"
+    body = await _body(request, ReleaseBody)
 
     def act(table: HandoffTable) -> Outcome:
-        return table.release(handoff_id, token, epoch, reason=reason)
+        return table.release(
+            body.handoff_id, body.release_token, body.epoch, reason=body.reason.as_recorded
+        )
 
     outcome = await _service(state).apply(act)
-    return JSONResponse({"outcome": outcome.value})
+    return _reply(OutcomeReply(outcome=outcome))
 
 
 # -- the abort API (every node) -----------------------------------------------------------
@@ -147,7 +151,7 @@ async def release(state: ServerState, request: Request) -> Response:
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
     admin = is_admin(state, request)
-    data = await _json(request)
+    data = await read_json(request, MAX_CONTROL_BODY_BYTES)
     ids, token = data.get("request_ids"), data.get("release_token")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
         raise InvalidRequestError(
@@ -163,15 +167,15 @@ async def abort_requests(state: ServerState, request: Request) -> Response:
         )
     if not admin and not _token_covers(state, ids, str(token)):
         return error_response(403, "the release token does not cover every id", "permission_error")
-    results = {i: "not_found" for i in ids}
+    results = {i: AbortOutcome.NOT_FOUND for i in ids}
     running = {i: state.live.resolve(i) for i in ids} if admin else {}
     running_ids = sorted(set().union(*running.values()))
     if running_ids:  # before the handoffs' aborts, which abort prefill legs with no error
         await state.client.abort(running_ids, _aborted_by_operator())
-    if state.handoffs is not None:
-        results.update(await state.handoffs.abort(ids, token if not admin else None, admin))
-    results.update({i: "aborted" for i, request_ids in running.items() if request_ids})
-    return JSONResponse({"results": [{"id": i, "outcome": results[i]} for i in ids]})
+    if state.legs.handoffs is not None:
+        results.update(await state.legs.handoffs.abort(ids, token if not admin else None, admin))
+    results.update({i: AbortOutcome.ABORTED for i, request_ids in running.items() if request_ids})
+    return JSONResponse({"results": [{"id": i, "outcome": results[i].value} for i in ids]})
 
 
 def _aborted_by_operator() -> RequestAbortedError:
@@ -185,6 +189,6 @@ def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
     node knows (live or recently released) whose token matches. An unknown id cannot be
     checked against the token, so it is refused too: without the admin key nothing is
     answered about ids the caller cannot prove are theirs."""
-    if state.handoffs is None:
+    if state.legs.handoffs is None:
         return False
-    return all(state.handoffs.table.named(i, token) for i in ids)
+    return all(state.legs.handoffs.table.named(i, token) for i in ids)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 4 << 20
 """Largest completion body a node or the proxy reads."""
@@ -83,6 +86,17 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
             "client closed the request", status=499, error_type="client_closed_request"
         ) from e
     return parse_json_object(bytes(body))
+
+
+def validate_body(data: Any, model: type[M]) -> M:
+    """`data` as `model`, or a 400 naming the first bad field (`param`: its top-level name)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise InvalidRequestError(f"{where}: {first['msg']}", param=param) from e
 
 
 def parse_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:

@@ -24,18 +24,21 @@ import asyncio
 import functools
 import logging
 import signal
-import socket
 import time
 from typing import Any
 
 import uvicorn
 
 from pdserve import logs
+from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.server import ServerState, create_app
-from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
+from pdserve.config import ServerConfig
+from pdserve.disagg.config import KVTransferConfig
+from pdserve.disagg.legs import node_legs
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import ServerShuttingDownError
 from pdserve.parent_watch import ParentWatch
+from pdserve.seams import NO_SEAMS, Seams
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +69,13 @@ class _DrainingServer(uvicorn.Server):
         state = self.state
         deadline = time.monotonic() + self.drain_timeout_s
         logger.info("draining %d in-flight requests", state.num_inflight)
-        if state.unloaded_decode_legs:
-            logger.info("releasing %d handoffs not read yet", len(state.unloaded_decode_legs))
+        unloaded = state.legs.unloaded_decode_legs
+        if unloaded:
+            logger.info("releasing %d handoffs not read yet", len(unloaded))
             error = ServerShuttingDownError(
                 "the server is shutting down: this decode leg had not loaded its KV yet"
             )
-            await state.client.abort(sorted(state.unloaded_decode_legs), error)
+            await state.client.abort(sorted(unloaded), error)
         while self._busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         running = state.live.request_ids()
@@ -86,60 +90,36 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def _busy(self) -> bool:
-        handoffs = self.state.handoffs
-        return self.state.num_inflight > 0 or (handoffs is not None and handoffs.table.num_live > 0)
+        return self.state.num_inflight > 0 or self.state.legs.num_live_handoffs > 0
 
 
 async def run_server(
     client: AsyncEngineClient,
-    host: str,
-    port: int,
-    api_key: str | None,
-    model_name: str,
-    drain_timeout_s: float,
-    advertise_host: str | None = None,
-    parent_pid: int | None = None,
-    debug_step_delay_s: float = 0.0,
+    config: ServerConfig,
+    kv_transfer: KVTransferConfig | None = None,
+    seams: Seams = NO_SEAMS,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone),
-    drain, stop the engine process."""
-    kv = client.config.kv_transfer
-    state = ServerState(client, api_key, model_name, kv.role, kv.cluster_secret)
-    state.debug_step_delay_s = debug_step_delay_s
-    if kv.role == "prefill":
-        metrics = state.metrics
-        observer = ReleaseObserver(
-            lambda reason: metrics.handoffs_released.labels(reason).inc(),
-            lambda reason, seconds: metrics.release_seconds.labels(reason).observe(seconds),
-        )
-        state.handoffs = HandoffService(
-            client,
-            advertise_host or advertised_host(host),
-            port,
-            kv.lease_s,
-            kv.claim_timeout_s,
-            observer,
-        )
-    config = uvicorn.Config(
-        create_app(state),
-        host=host,
-        port=port,
-        log_level=logs.uvicorn_level(),
-        lifespan="off",
-        timeout_graceful_shutdown=_FINAL_GRACE_S,
-    )
-    server = _DrainingServer(config, state, drain_timeout_s)
+    """Serve until SIGINT/SIGTERM (or, with `config.parent_pid`, until that process is
+    gone), drain, stop the engine process. `kv_transfer`: the node's P/D settings (its
+    role); the engine's connector was chosen with them (`client.connector_factory`)."""
+    kv_transfer = kv_transfer or KVTransferConfig()
+    model_name = config.served_model_name or client.config.model.model
+    metrics = MetricsRecorder(model_name)
+    cluster_secret = kv_transfer.cluster_secret or config.api_key
+    legs = node_legs(kv_transfer, client, metrics, config.host, config.port, cluster_secret)
+    state = ServerState(client, legs, metrics, model_name, config.api_key, seams)
+    server = _DrainingServer(_uvicorn_config(state, config), state, config.drain_timeout_s)
     serving = asyncio.create_task(server.serve())
     sweeper = watcher = None
-    if parent_pid is not None:
+    if config.parent_pid is not None:
         stop = functools.partial(server.handle_exit, signal.SIGTERM, None)
-        watcher = asyncio.create_task(ParentWatch(parent_pid).stop_when_gone(stop, "node"))
+        watcher = asyncio.create_task(ParentWatch(config.parent_pid).stop_when_gone(stop, "node"))
     try:
         await client.start()
-        if state.handoffs is not None:
-            sweeper = asyncio.create_task(state.handoffs.run_sweeper())
+        if legs.handoffs is not None:
+            sweeper = asyncio.create_task(legs.handoffs.run_sweeper())
         state.ready = True
-        logger.info("serving %s on http://%s:%d", model_name, host, port)
+        logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
         await serving
     finally:
         state.draining = True
@@ -151,8 +131,12 @@ async def run_server(
         await client.shutdown()
 
 
-def advertised_host(host: str) -> str:
-    """The address peers use to reach this node (`remote_host` in kv_transfer_params)."""
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostbyname(socket.gethostname())
-    return host
+def _uvicorn_config(state: ServerState, config: ServerConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=logs.uvicorn_level(),
+        lifespan="off",
+        timeout_graceful_shutdown=_FINAL_GRACE_S,
+    )

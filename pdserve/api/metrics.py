@@ -8,12 +8,13 @@ request's outputs stream through `MetricsRecorder.track`.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.disagg.handoff import RELEASE_REASONS
+from pdserve.disagg.messages import ReleaseReason
 from pdserve.engine.core_messages import EngineStats
+from pdserve.engine.kv_connector import KVConnectorStats
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
 
@@ -60,7 +61,7 @@ class MetricsRecorder:
         self.handoffs_released = Counter(
             "pdserve_handoffs_released", "Handoffs ended, by reason", ["reason"], registry=r
         )
-        for reason in RELEASE_REASONS:  # export zeros, so rates work from the start
+        for reason in ReleaseReason.handoff_ends():  # export zeros: rates work from the start
             self.handoffs_released.labels(reason)
         self.release_seconds = Histogram(
             "pdserve_handoff_release_seconds",
@@ -80,8 +81,8 @@ class MetricsRecorder:
         )
         self.model_name = model_name
 
-    def record_transfers(self, transfers: list[tuple[int, float]]) -> None:
-        for num_bytes, seconds in transfers:
+    def record_connector_stats(self, stats: KVConnectorStats) -> None:
+        for num_bytes, seconds in stats.transfers:
             self.transfer_bytes.inc(num_bytes)
             self.transfer_seconds.observe(seconds)
 
@@ -108,7 +109,9 @@ class MetricsRecorder:
     def request_failed(self, outcome: str) -> None:
         self.requests.labels(self.model_name, outcome).inc()
 
-    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def track(
+        self, outputs: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Pass outputs through, observing latencies and token counts; closing this closes
         `outputs` (which aborts the request)."""
         m = self.model_name
@@ -137,4 +140,4 @@ class MetricsRecorder:
         finally:
             if outcome is not None:
                 self.requests.labels(m, outcome).inc()
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()

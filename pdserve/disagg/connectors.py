@@ -1,10 +1,11 @@
-"""The KV connectors of P/D nodes: what the role-agnostic scheduler calls on a prefill or a
-decode node. Both run in the engine process and own that process's `KVTransport`.
+"""Engine process: the KV connectors of P/D nodes, what the role-agnostic scheduler calls
+on a prefill or a decode node. Both own their process's `KVTransport`; the launcher picks
+one through `connector_factory`.
 
 Prefill node (`PrefillConnector`): a prefill leg (`RemoteDecode`) that finishes normally
 keeps its blocks pinned; the handoff table in the API process decides when they go (read
-done, release, abort, lease or claim deadline) and says so with an abort of the request,
-which `on_abort` turns into an immediate free. An aborted prefill leg holds nothing (S2).
+done, release, abort, lease or claim deadline) and says so with a `FreeHeld` message,
+which `on_free_held` grants at once. An aborted prefill leg holds nothing (S2).
 
 Decode node (`DecodeConnector`), for a request carrying `RemotePrefill`:
 
@@ -36,14 +37,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.disagg.control import ControlClient, ControlError, Handshake
+from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, Role
+from pdserve.disagg.control import ControlClient, ControlError
+from pdserve.disagg.messages import Handshake, Outcome, ReleaseReason
 from pdserve.disagg.params import (
     HandoffRef,
     KVLayout,
+    NodeKVInfo,
     RemoteDecode,
     RemotePrefill,
     model_fingerprint,
@@ -53,11 +57,16 @@ from pdserve.engine.kv_connector import (
     NO_EVENTS,
     ConnectorEvents,
     KVConnector,
+    KVConnectorFactory,
+    KVConnectorStats,
     LoadResult,
-    NoKVConnector,
 )
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.model.loader import LoadedModel
+from pdserve.seams import NO_SEAMS, Seams
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +77,9 @@ NUM_LOAD_WORKERS = 4
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, transport: KVTransport) -> None:
+    def __init__(self, transport: KVTransport, layout: KVLayout) -> None:
         self.transport = transport
+        self.layout = layout
 
     def on_request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
         finished_normally = request.status in (
@@ -80,10 +90,13 @@ class PrefillConnector(KVConnector):
             isinstance(request.kv_transfer, RemoteDecode) and finished_normally and bool(block_ids)
         )
 
-    def on_abort(self, request_ids: Sequence[str]) -> Sequence[str]:
+    def on_free_held(self, request_ids: Sequence[str]) -> Sequence[str]:
         # Nothing here writes into held blocks: the decode node only reads them, and the
-        # handoff table sends the abort only once no claimed read can still be running.
+        # handoff table frees them only once no claimed read can still be running.
         return request_ids
+
+    def handshake_info(self) -> NodeKVInfo:
+        return NodeKVInfo(self.layout, self.transport.info())
 
     def close(self) -> None:
         self.transport.close()
@@ -117,14 +130,14 @@ class DecodeConnector(KVConnector):
         layout: KVLayout,
         block_size: int,
         fail_on_load_error: bool = False,
-        debug_read_delay_s: float = 0.0,
+        seams: Seams = NO_SEAMS,
     ) -> None:
         self.transport = transport
         self.control = control
         self.layout = layout
         self.block_size = block_size
         self.fail_on_load_error = fail_on_load_error
-        self.debug_read_delay_s = debug_read_delay_s
+        self.seams = seams
         self._loads: dict[str, _Load] = {}
         self._lock = threading.Lock()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -162,7 +175,7 @@ class DecodeConnector(KVConnector):
                 return
             if num_remote == 0:  # all cached here, or not this prompt's KV: nothing to read
                 del self._loads[request.request_id]
-                self._send_release(load.remote, "not_needed")
+                self._send_release(load.remote, ReleaseReason.NOT_NEEDED)
                 return
             first = request.num_computed_tokens // self.block_size
             last = -(-(request.num_computed_tokens + num_remote) // self.block_size)
@@ -182,10 +195,10 @@ class DecodeConnector(KVConnector):
             del self._loads[request.request_id]
             if load.state is LoadState.PENDING:
                 load.state = LoadState.ENDED
-                self._send_release(load.remote, "cancelled")
+                self._send_release(load.remote, ReleaseReason.CANCELLED)
             return False
 
-    def on_step_finished(self, output: object) -> ConnectorEvents:
+    def on_step_finished(self, output: SchedulerOutput) -> ConnectorEvents:
         if self._ended.empty():
             return NO_EVENTS
         results, releasable = [], []
@@ -200,11 +213,14 @@ class DecodeConnector(KVConnector):
                     results.append(load.result)
         return ConnectorEvents(tuple(results), tuple(releasable))
 
-    def take_transfers(self) -> list[tuple[int, float]]:
+    def handshake_info(self) -> NodeKVInfo:
+        return NodeKVInfo(self.layout, self.transport.info())
+
+    def take_stats(self) -> KVConnectorStats:
         """Reads completed since the last call, as (bytes, seconds), for the metrics."""
         with self._lock:
             taken, self._transfers = self._transfers, []
-        return taken
+        return KVConnectorStats(tuple(taken))
 
     # -- the load (worker threads) ----------------------------------------------------
 
@@ -222,20 +238,20 @@ class DecodeConnector(KVConnector):
         try:
             peer = self._handshake(remote)
         except ControlError as e:
-            self._send_release(remote, "rejected")
+            self._send_release(remote, ReleaseReason.REJECTED)
             return self._failure(load, f"prefill node unreachable: {e}")
         mismatch = self.layout.mismatch(peer.layout)
         if mismatch is not None:
-            self._send_release(remote, "rejected")
+            self._send_release(remote, ReleaseReason.REJECTED)
             return LoadResult(
                 load.request_id, ok=False, error=f"incompatible prefill node: {mismatch}"
             )
         if len(load.remote_block_ids) != len(load.local_block_ids):
             # Malformed params (they come from the client), not an incompatible node.
-            self._send_release(remote, "rejected")
+            self._send_release(remote, ReleaseReason.REJECTED)
             return self._failure(load, "remote_block_ids do not cover the prompt")
         if load.aborted:
-            self._send_release(remote, "cancelled")
+            self._send_release(remote, ReleaseReason.CANCELLED)
             return self._failure(load, "aborted before the claim")
         claim_sent_s = time.monotonic()
         try:
@@ -244,13 +260,13 @@ class DecodeConnector(KVConnector):
             # Unknown whether the claim landed: never read; the prefill node frees the
             # handoff at its claim deadline or lease end (fail closed, S12).
             return self._failure(load, f"claim failed: {e}")
-        if outcome != "ok":
-            if outcome == "wrong_blocks":  # the handoff is still held, for nobody
-                self._send_release(remote, "rejected")
+        if outcome is not Outcome.OK:
+            if outcome is Outcome.WRONG_BLOCKS:  # the handoff is still held, for nobody
+                self._send_release(remote, ReleaseReason.REJECTED)
             return self._failure(load, f"claim refused ({outcome})")
         load.claimed = True
-        if self.debug_read_delay_s:
-            time.sleep(self.debug_read_delay_s)
+        if self.seams.kv_read_delay_s:
+            time.sleep(self.seams.kv_read_delay_s)
         budget_s = claim_timeout_s - CLAIM_MARGIN_S - (time.monotonic() - claim_sent_s)
         read = self._read(load, peer, budget_s)
         try:
@@ -296,10 +312,10 @@ class DecodeConnector(KVConnector):
 
     # -- control messages ----------------------------------------------------------
 
-    def _send_release(self, remote: RemotePrefill, reason: str) -> None:
+    def _send_release(self, remote: RemotePrefill, reason: ReleaseReason) -> None:
         self._workers.submit(self._release, remote, reason)
 
-    def _release(self, remote: RemotePrefill, reason: str) -> None:
+    def _release(self, remote: RemotePrefill, reason: ReleaseReason) -> None:
         try:
             self.control.release(remote.control_url, remote.ref, reason)
         except ControlError as e:  # the lease frees it anyway
@@ -356,22 +372,33 @@ def kv_layout(loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> K
     )
 
 
-def create_connector(
-    config: EngineConfig, loaded: LoadedModel, kv_cache: torch.Tensor
-) -> KVConnector:
-    """The connector for this node's role (in the engine process, once the KV pool exists)."""
-    kv = config.kv_transfer
-    if kv.role == "both":
-        return NoKVConnector()
-    name = f"pdserve-{kv.role}-{secrets.token_hex(6)}"  # new per start: never merged with a
-    transport = create_transport(kv.transport, name, kv_cache)  # predecessor's metadata
-    if kv.role == "prefill":
-        return PrefillConnector(transport)
-    return DecodeConnector(
-        transport,
-        ControlClient(kv.cluster_secret),
-        kv_layout(loaded, kv_cache, config.cache.block_size),
-        config.cache.block_size,
-        fail_on_load_error=kv.kv_load_failure == "fail",
-        debug_read_delay_s=kv.debug_read_delay_s,
-    )
+@dataclass(frozen=True)
+class PDConnectorFactory:
+    """A P/D node's `KVConnectorFactory`: crosses the engine process's spawn (it pickles)
+    and builds the role's connector there, once the KV pool exists."""
+
+    config: KVTransferConfig
+    seams: Seams = NO_SEAMS
+
+    def __call__(self, loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> KVConnector:
+        kv = self.config
+        name = f"pdserve-{kv.role}-{secrets.token_hex(6)}"  # new per start: never merged with a
+        transport = create_transport(kv.transport, name, kv_cache)  # predecessor's metadata
+        layout = kv_layout(loaded, kv_cache, block_size)
+        if kv.role is Role.PREFILL:
+            return PrefillConnector(transport, layout)
+        return DecodeConnector(
+            transport,
+            ControlClient(kv.cluster_secret),
+            layout,
+            block_size,
+            fail_on_load_error=kv.kv_load_failure is KVLoadFailurePolicy.FAIL,
+            seams=self.seams,
+        )
+
+
+def connector_factory(
+    config: KVTransferConfig, seams: Seams = NO_SEAMS
+) -> KVConnectorFactory | None:
+    """What the launcher gives the engine for this node's role: None on a `both` node."""
+    return None if config.role is Role.BOTH else PDConnectorFactory(config, seams)

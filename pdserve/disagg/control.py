@@ -1,71 +1,48 @@
-"""The control channel between a decode node and a prefill node: HTTP on the prefill
-node's API port, under `/kv/`.
+"""Engine process (decode node): the client of the control channel, HTTP on the prefill
+node's API port under `/kv/` (the messages: `pdserve.disagg.messages`).
 
-    GET  /kv/handshake   → engine id, epoch, KV layout, NIXL metadata of the prefill node
-    POST /kv/renew       {"handoffs": [ref, …]}  → {"outcomes": […]}   (batched per node)
-    POST /kv/claim       ref + {"block_ids"}     → {"outcome", "claim_timeout_s"}
-    POST /kv/done        ref                     → {"outcome"}          (read succeeded)
-    POST /kv/failed      ref                     → {"outcome"}          (read failed/abandoned)
-    POST /kv/release     ref + {"reason"}        → {"outcome"}
+Every call carries the cluster credential (`Authorization: Bearer <cluster secret, or the
+API key>`) when one is configured, and every message about a handoff its release token.
+A claim names the blocks the decode node will read (the `remote_block_ids` it was given):
+the prefill node refuses blocks that are not the handoff's (`Outcome.WRONG_BLOCKS`).
 
-A `ref` is `{"handoff_id", "release_token", "epoch"}`: the per-handoff token authorizes
-the message for that handoff only. A claim names the blocks the decode node will read (the
-`remote_block_ids` it was given): the prefill node refuses blocks that are not the
-handoff's (`wrong_blocks`). The calls also carry the cluster credential
-(`Authorization: Bearer <cluster secret, or the API key>`) when one is configured.
-
-`ControlClient` is the decode side's synchronous client (it runs on the connector's
-worker threads). Transport problems raise `ControlError`; outcomes are the prefill
-table's `Outcome` values as strings.
+`ControlClient` is synchronous: it runs on the decode connector's worker threads. An
+unreachable node, an error status or a body outside the protocol raises `ControlError`;
+a node's answer about a handoff is an `Outcome`.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
-from pdserve.disagg.params import HandoffRef, KVLayout
-from pdserve.disagg.transport import TransportInfo
+from pdserve.disagg.messages import (
+    ClaimBody,
+    ClaimReply,
+    Handshake,
+    Outcome,
+    OutcomeReply,
+    RefBody,
+    ReleaseBody,
+    ReleaseReason,
+    RenewBody,
+    RenewReply,
+)
+from pdserve.disagg.params import HandoffRef
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 2.0
-RELEASE_REASONS = ("released", "rejected", "cancelled", "not_needed", "shutdown")
+
+Reply = TypeVar("Reply", bound=BaseModel)
 
 
 class ControlError(Exception):
     """The prefill node could not be reached or answered outside the protocol."""
-
-
-@dataclass(frozen=True)
-class Handshake:
-    engine_id: str
-    epoch: str
-    layout: KVLayout
-    transport: TransportInfo
-
-    def as_json(self) -> dict[str, Any]:
-        t = self.transport
-        return {
-            "engine_id": self.engine_id,
-            "epoch": self.epoch,
-            "layout": self.layout.__dict__,
-            "transport": {
-                **t.__dict__,
-                "agent_metadata": base64.b64encode(t.agent_metadata).decode(),
-            },
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Handshake:
-        t = dict(data["transport"])
-        t["agent_metadata"] = base64.b64decode(t["agent_metadata"])
-        return cls(data["engine_id"], data["epoch"], KVLayout(**data["layout"]), TransportInfo(**t))
 
 
 class ControlClient:
@@ -80,25 +57,32 @@ class ControlClient:
         except (KeyError, TypeError, ValueError) as e:
             raise ControlError(f"bad handshake from {url}: {e}") from e
 
-    def renew(self, url: str, refs: list[HandoffRef]) -> list[str]:
-        data = self._call("POST", f"{url}/kv/renew", {"handoffs": [r.as_json() for r in refs]})
-        return [str(o) for o in data.get("outcomes", [])]
+    def renew(self, url: str, refs: list[HandoffRef]) -> list[Outcome]:
+        body = RenewBody(handoffs=[RefBody.of(r) for r in refs])
+        return self._post(url, "renew", body, RenewReply).outcomes
 
-    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[str, float]:
-        body = {**ref.as_json(), "block_ids": list(block_ids)}
-        data = self._call("POST", f"{url}/kv/claim", body)
-        return str(data.get("outcome")), float(data.get("claim_timeout_s") or 0.0)
+    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[Outcome, float]:
+        body = ClaimBody(**RefBody.of(ref).model_dump(), block_ids=list(block_ids))
+        reply = self._post(url, "claim", body, ClaimReply)
+        return reply.outcome, reply.claim_timeout_s
 
-    def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> str:
+    def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> Outcome:
         path = "done" if ok else "failed"
-        return str(self._call("POST", f"{url}/kv/{path}", ref.as_json()).get("outcome"))
+        return self._post(url, path, RefBody.of(ref), OutcomeReply).outcome
 
-    def release(self, url: str, ref: HandoffRef, reason: str) -> str:
-        body = {**ref.as_json(), "reason": reason}
-        return str(self._call("POST", f"{url}/kv/release", body).get("outcome"))
+    def release(self, url: str, ref: HandoffRef, reason: ReleaseReason) -> Outcome:
+        body = ReleaseBody(**RefBody.of(ref).model_dump(), reason=reason)
+        return self._post(url, "release", body, OutcomeReply).outcome
 
     def close(self) -> None:
         self._http.close()
+
+    def _post(self, url: str, path: str, body: BaseModel, reply: type[Reply]) -> Reply:
+        data = self._call("POST", f"{url}/kv/{path}", body.model_dump(mode="json"))
+        try:
+            return reply.model_validate(data, strict=False)
+        except ValidationError as e:
+            raise ControlError(f"POST {url}/kv/{path}: unexpected answer: {e}") from e
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         try:

@@ -1,4 +1,5 @@
-"""The prefill node's handoff table: blocks held for one remote decode, and their life.
+"""API process (prefill node): the handoff table, blocks held for one remote decode, and
+their life.
 
 A handoff is minted per prefill attempt (unguessable id, per-handoff release token, the
 node's epoch) and moves through these states, each with a bounded lifetime:
@@ -14,8 +15,8 @@ node's epoch) and moves through these states, each with a bounded lifetime:
   `claim` must name exactly the handoff's blocks; any other list is refused and the
   handoff stays HELD.
 - CLAIMED: the decode node is reading. Nothing frees the blocks now (invariant 2) except
-  `done`/`failed` or the claim deadline; a `release` that arrives meanwhile is recorded
-  and honoured at that point.
+  `done`/`failed` or the claim deadline; a `release` that arrives meanwhile is answered
+  `DEFERRED` and needs no record: one of those ends the handoff anyway.
 - RELEASED: terminal. Every later message about it is answered (`ALREADY_RELEASED`),
   counted and ignored.
 
@@ -34,10 +35,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-RELEASE_REASONS = ("transferred", "released", "aborted", "expired", "rejected", "failed")
-"""Why a handoff ended: read done; released by the decode node or proxy; aborted by an
-operator or a cancelled prefill leg; lease or claim deadline passed; the decode node
-refused the request; the read failed."""
+from pdserve.disagg.messages import Outcome, ReleaseReason
+
 RELEASED_RETENTION_S = 600.0
 """RELEASED handoffs are remembered this long, to answer late messages precisely."""
 
@@ -47,23 +46,6 @@ class HandoffState(enum.Enum):
     HELD = "held"
     CLAIMED = "claimed"
     RELEASED = "released"
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    UNKNOWN = "unknown"
-    BAD_TOKEN = "bad_token"
-    STALE_EPOCH = "stale_epoch"
-    ALREADY_RELEASED = "already_released"
-    WRONG_STATE = "wrong_state"
-    """The message does not apply in the handoff's current state (e.g. a claim while
-    still prefilling or already claimed, `done` without a claim)."""
-    DEFERRED = "deferred"
-    """Release of a CLAIMED handoff: honoured when the read ends or its deadline passes."""
-    WRONG_BLOCKS = "wrong_blocks"
-    """A claim for other blocks than the handoff's: the decode node would read blocks that
-    are free or another request's (its block ids come from the decode leg's
-    kv_transfer_params, which any client writes)."""
 
 
 @dataclass
@@ -79,9 +61,8 @@ class Handoff:
     client_request_id: str = ""
     """The client's X-Request-Id, so an operator can abort by it."""
     created_s: float = 0.0
-    release_requested: bool = False
-    release_reason: str = ""
-    """One of RELEASE_REASONS once RELEASED."""
+    release_reason: ReleaseReason | None = None
+    """Set once RELEASED."""
     released_at_s: float = 0.0
 
 
@@ -163,7 +144,7 @@ class HandoffTable:
             return self._count("claim_wrong_blocks", Outcome.WRONG_BLOCKS)
         if self._clock() >= handoff.lease_deadline_s:  # expired, sweep not yet run
             self.counters["lease_expired"] += 1
-            self._release(handoff, "expired")
+            self._release(handoff, ReleaseReason.EXPIRED)
             return self._count("claim_expired", Outcome.ALREADY_RELEASED)
         handoff.state = HandoffState.CLAIMED
         handoff.claim_deadline_s = self._clock() + self.claim_timeout_s
@@ -177,7 +158,7 @@ class HandoffTable:
             return outcome
         if handoff.state is not HandoffState.CLAIMED:
             return self._count(f"{name}_unclaimed", Outcome.WRONG_STATE)
-        self._release(handoff, "transferred" if ok else "failed")
+        self._release(handoff, ReleaseReason.TRANSFERRED if ok else ReleaseReason.FAILED)
         return Outcome.OK
 
     def release(
@@ -186,15 +167,14 @@ class HandoffTable:
         token: str | None,
         epoch: str | None = None,
         admin: bool = False,
-        reason: str = "released",
+        reason: ReleaseReason = ReleaseReason.RELEASED,
     ) -> Outcome:
         """Release from the decode node, the proxy (release token) or an operator (admin)."""
         handoff, outcome = self._authorize("release", handoff_id, token, epoch, admin)
         if handoff is None:
             return outcome
         if handoff.state is HandoffState.CLAIMED:
-            handoff.release_requested = True
-            return Outcome.DEFERRED
+            return Outcome.DEFERRED  # done, failed or the claim deadline ends it
         self._release(handoff, reason)
         return Outcome.OK
 
@@ -212,7 +192,7 @@ class HandoffTable:
         for handoff in expired:
             held = handoff.state is HandoffState.HELD
             self.counters["lease_expired" if held else "claim_deadline"] += 1
-            self._release(handoff, "expired")
+            self._release(handoff, ReleaseReason.EXPIRED)
         forgotten = [
             h.handoff_id
             for h in self._handoffs.values()
@@ -284,7 +264,7 @@ class HandoffTable:
         self.counters[name] += 1
         return outcome
 
-    def _release(self, handoff: Handoff, reason: str) -> None:
+    def _release(self, handoff: Handoff, reason: ReleaseReason) -> None:
         handoff.state = HandoffState.RELEASED
         handoff.release_reason = reason
         handoff.released_at_s = self._clock()

@@ -1,17 +1,17 @@
-"""The prefill node's handoff service, in the API process: the `HandoffTable`, its sweep,
-and the link to the engine that frees released handoffs' blocks.
+"""API process (prefill node): the handoff service, the `HandoffTable`, its sweep, and the
+link to the engine that frees released handoffs' blocks.
 
 Why here and not in the engine process: control messages (claim, renew, release, abort)
 are answered at once, even while the engine is in a long prefill step; the engine only
-ever hears "free this request's blocks" (an abort of the request id), applied before its
-next step. Life of a handoff through this service:
+ever hears "free this request's blocks" (`FreeHeld`), applied before its next step, and,
+for a leg still prefilling, "abort it". Life of a handoff through this service:
 
     prefill leg admitted ─▶ begin()          (PREFILLING; an abort now aborts the request)
     its one token out    ─▶ commit(output)   (HELD with the engine's pinned block ids, or
                                                freed at once if a release won the race, S2)
     claim/renew/done/failed/release/abort    (table transitions, answered immediately)
     every SWEEP_INTERVAL_S ─▶ sweep()        (lease and claim deadlines)
-    any release          ─▶ _flush()         (engine abort → blocks freed; the engine's
+    any release          ─▶ _flush()         (FreeHeld → blocks freed; the engine's
                                                `freed_held` report closes the timing)
 """
 
@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.disagg.control import Handshake
-from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable, Outcome
-from pdserve.disagg.params import KVTransferParams
+from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable
+from pdserve.disagg.messages import AbortOutcome, Handshake, Outcome, ReleaseReason
+from pdserve.disagg.params import KVTransferParams, NodeKVInfo
 from pdserve.engine.async_client import AsyncEngineClient
+from pdserve.errors import StatusError
 from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ SWEEP_INTERVAL_S = 0.02
 class ReleaseObserver:
     """Metrics hooks: a handoff ended (reason), and its blocks were free after `seconds`."""
 
-    released: Callable[[str], None]
-    freed: Callable[[str, float], None]
+    released: Callable[[ReleaseReason], None]
+    freed: Callable[[ReleaseReason, float], None]
     """(reason, seconds)"""
 
 
@@ -60,7 +61,7 @@ class HandoffService:
         self.table = HandoffTable(lease_s=lease_s, claim_timeout_s=claim_timeout_s)
         self.engine_id = f"pdserve-prefill-{secrets.token_hex(6)}"
         self.observer = observer
-        self._freeing: dict[str, tuple[str, float]] = {}
+        self._freeing: dict[str, tuple[ReleaseReason, float]] = {}
         """Request id → (reason, when its release was triggered), until the engine reports
         the blocks freed."""
         client.on_freed_held = self._on_freed
@@ -81,14 +82,14 @@ class HandoffService:
                 handoff.handoff_id, output.held_block_ids, len(output.prompt_token_ids)
             )
         if outcome is not Outcome.OK:
-            self.table.release(handoff.handoff_id, None, admin=True, reason="aborted")
+            self.table.release(handoff.handoff_id, None, admin=True, reason=ReleaseReason.ABORTED)
             await self._flush()
-            await self.client.abort([handoff.request_id])  # frees whatever the engine kept
+            await self.client.free_held([handoff.request_id])  # whatever the engine kept
         return outcome is Outcome.OK
 
     async def cancel(self, handoff: Handoff) -> None:
         """The prefill leg ended without a response (client gone, error): nothing held."""
-        self.table.release(handoff.handoff_id, None, admin=True, reason="aborted")
+        self.table.release(handoff.handoff_id, None, admin=True, reason=ReleaseReason.ABORTED)
         await self._flush()
 
     def transfer_params(self, handoff: Handoff, output: RequestOutput) -> KVTransferParams:
@@ -111,9 +112,14 @@ class HandoffService:
     # -- control messages ------------------------------------------------------------
 
     def handshake(self) -> Handshake:
-        return Handshake(
-            self.engine_id, self.table.epoch, self.client.kv_layout, self.client.kv_transport
-        )
+        info = self.client.kv_handshake
+        if not isinstance(info, NodeKVInfo):  # the engine is not ready yet
+            raise StatusError(
+                "the node is starting: its engine has not published its KV layout yet",
+                status=503,
+                error_type="service_unavailable",
+            )
+        return Handshake(self.engine_id, self.table.epoch, info.layout, info.transport)
 
     async def apply(self, action: Callable[[HandoffTable], Outcome]) -> Outcome:
         """Run one table transition and free whatever it released."""
@@ -121,17 +127,19 @@ class HandoffService:
         await self._flush()
         return outcome
 
-    async def abort(self, ids: list[str], token: str | None, admin: bool) -> dict[str, str]:
+    async def abort(
+        self, ids: list[str], token: str | None, admin: bool
+    ) -> dict[str, AbortOutcome]:
         """`POST /v1/abort_requests` on a prefill node: release handoffs (by handoff id,
         server request id or X-Request-Id; with a token, only those it was minted for) and
         abort their running prefill legs."""
-        results: dict[str, str] = {}
+        results: dict[str, AbortOutcome] = {}
         for request_id in ids:
             handoffs = self.table.named(request_id, None if admin else token)
             if not handoffs:
                 continue
             outcomes = [
-                self.table.release(h.handoff_id, token, admin=admin, reason="aborted")
+                self.table.release(h.handoff_id, token, admin=admin, reason=ReleaseReason.ABORTED)
                 for h in handoffs
             ]
             results[request_id] = _abort_outcome(outcomes)
@@ -149,18 +157,24 @@ class HandoffService:
     async def _flush(self) -> None:
         released = self.table.take_released()
         for handoff in released:
+            reason = handoff.release_reason or ReleaseReason.RELEASED  # set by every release
             logger.info(
                 "handoff %s (request %s) released: %s",
                 handoff.handoff_id,
                 handoff.request_id,
-                handoff.release_reason,
+                reason,
             )
             if self.observer:
-                self.observer.released(handoff.release_reason)
+                self.observer.released(reason)
             if handoff.block_ids:
-                self._freeing[handoff.request_id] = (handoff.release_reason, time.monotonic())
+                self._freeing[handoff.request_id] = (reason, time.monotonic())
+        # Released before its blocks were pinned here: the leg may still be prefilling (abort
+        # it), or have finished with its blocks held by the engine (the free covers that).
+        unpinned = [h.request_id for h in released if not h.block_ids]
+        if unpinned:
+            await self.client.abort(unpinned)
         if released:
-            await self.client.abort([h.request_id for h in released])
+            await self.client.free_held([h.request_id for h in released])
 
     def _on_freed(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -190,9 +204,9 @@ class HandoffService:
         return rows
 
 
-def _abort_outcome(outcomes: list[Outcome]) -> str:
+def _abort_outcome(outcomes: list[Outcome]) -> AbortOutcome:
     if any(o in (Outcome.OK, Outcome.DEFERRED) for o in outcomes):
-        return "released"  # DEFERRED: freed when the claimed read ends (≤ claim deadline)
+        return AbortOutcome.RELEASED  # DEFERRED: freed when the claimed read ends
     if any(o is Outcome.ALREADY_RELEASED for o in outcomes):
-        return "already_released"
-    return "not_found"
+        return AbortOutcome.ALREADY_RELEASED
+    return AbortOutcome.NOT_FOUND

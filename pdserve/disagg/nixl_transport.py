@@ -1,4 +1,5 @@
-"""The NIXL data plane: a `KVTransport` over NIXL (UCX backend), host or device memory.
+"""Engine process: the NIXL data plane, a `KVTransport` over NIXL (UCX backend), host or
+device memory.
 
 Life of a `NixlTransport`:
 1. `__init__` creates the NIXL agent (UCX backend, no NIXL progress thread, which would

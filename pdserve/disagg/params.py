@@ -1,4 +1,6 @@
-"""`kv_transfer_params`: what the two legs of a P/D request say about the prompt's KV.
+"""Both processes: `kv_transfer_params`, what the two legs of a P/D request say about the
+prompt's KV (parsed in the API process, carried to the engine's connector), and
+`KVLayout`, what two nodes must share to exchange it (built in the engine process).
 
 At the HTTP edge they use vLLM's field names (so existing P/D proxies can drive pdserve
 nodes) plus pdserve's own; inside the engine they become one of two frozen types that
@@ -13,11 +15,15 @@ ride on the request for the KV connector:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.disagg.config import KVTransferConfig
+from pdserve.disagg.transport import TransportInfo
+from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec
 from pdserve.errors import InvalidRequestError
 
 
@@ -44,7 +50,7 @@ class KVTransferParams(BaseModel):
 
 
 @dataclass(frozen=True)
-class RemoteDecode:
+class RemoteDecode(KVTransferSpec):
     """Prefill leg: keep the prompt's KV pinned for a remote decode node."""
 
     release_token: str | None = None
@@ -79,16 +85,9 @@ class HandoffRef:
     release_token: str
     epoch: str | None = None
 
-    def as_json(self) -> dict[str, str | None]:
-        return {
-            "handoff_id": self.handoff_id,
-            "release_token": self.release_token,
-            "epoch": self.epoch,
-        }
-
 
 @dataclass(frozen=True)
-class RemotePrefill:
+class RemotePrefill(KVTransferSpec):
     """Decode leg: the prompt's KV sits in `block_ids` on the prefill node at `control_url`."""
 
     ref: HandoffRef
@@ -127,7 +126,7 @@ def remote_prefill_from(params: KVTransferParams) -> RemotePrefill:
         control_url=f"http://{params.remote_host}:{params.remote_port}",
         block_ids=tuple(params.remote_block_ids),
         num_tokens=params.remote_num_tokens,
-        lease_s=params.lease_s or 5.0,
+        lease_s=params.lease_s or KVTransferConfig.lease_s,
     )
 
 
@@ -143,6 +142,18 @@ class KVLayout:
     head_dim: int
     block_bytes: int
 
+    @classmethod
+    def from_json_dict(cls, data: Any) -> KVLayout:
+        """From the handshake's JSON; raises KeyError/TypeError on a bad dict."""
+        if not isinstance(data, dict):
+            raise TypeError("a KV layout must be an object")
+        values = {f.name: data[f.name] for f in fields(cls)}
+        for f in fields(cls):
+            wanted = str if f.type == "str" else int
+            if type(values[f.name]) is not wanted:
+                raise TypeError(f"KV layout field {f.name} must be {wanted.__name__}")
+        return cls(**values)
+
     def mismatch(self, other: KVLayout) -> str | None:
         """A readable description of the first difference, or None when compatible."""
         for name in self.__dataclass_fields__:
@@ -150,6 +161,14 @@ class KVLayout:
             if mine != theirs:
                 return f"{name} differs (this node: {mine}, prefill node: {theirs})"
         return None
+
+
+@dataclass(frozen=True)
+class NodeKVInfo(KVHandshakeInfo):
+    """What a P/D node's engine publishes for the handshake (`KVConnector.handshake_info`)."""
+
+    layout: KVLayout
+    transport: TransportInfo
 
 
 def model_fingerprint(model: torch.nn.Module, arch_repr: str) -> str:

@@ -1,4 +1,5 @@
-"""The KV data plane: a node's KV tensor, registered once, and READs of a peer's blocks.
+"""Engine process: the KV data plane, a node's KV tensor registered once, and READs of a
+peer's blocks.
 
 Both nodes of a P/D pair create one transport over their own KV tensor. The prefill node
 (the *owner*) only serves: it publishes `info()` in the node handshake and keeps polling so
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from pdserve.disagg.config import KVTransportKind
 
 logger = logging.getLogger(__name__)
 
@@ -336,12 +339,14 @@ def _as_block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
 
-def create_transport(kind: str, agent_name: str, kv_cache: torch.Tensor) -> KVTransport:
-    """`kind` is "nixl" (the real data plane) or "inprocess" (the unit-test fake)."""
-    if kind == "nixl":
+def create_transport(
+    kind: KVTransportKind | str, agent_name: str, kv_cache: torch.Tensor
+) -> KVTransport:
+    """`kind`: NIXL (the real data plane) or INPROCESS (the unit-test fake), or its value."""
+    if kind == KVTransportKind.NIXL:
         from pdserve.disagg.nixl_transport import NixlTransport  # NIXL only where used
 
         return NixlTransport(agent_name, kv_cache)
-    if kind == "inprocess":
+    if kind == KVTransportKind.INPROCESS:
         return InProcessTransport(agent_name, kv_cache)
     raise ValueError(f"unknown transport kind {kind!r}: expected 'nixl' or 'inprocess'")

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import zmq
@@ -32,13 +32,20 @@ from pdserve.engine.core_messages import (
     AddRequest,
     ComputeInfo,
     EngineStats,
+    FreeHeld,
     Ready,
     RequestError,
     Shutdown,
     StepOutputs,
 )
 from pdserve.engine.core_process import run_engine_process
-from pdserve.errors import PdserveError, RequestAbortedError, StatusError
+from pdserve.engine.kv_connector import (
+    KVConnectorFactory,
+    KVConnectorStats,
+    KVHandshakeInfo,
+    KVTransferSpec,
+)
+from pdserve.errors import KVTransferError, PdserveError, RequestAbortedError, StatusError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -60,8 +67,12 @@ def request_failed(error: RequestError) -> StatusError:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, connector_factory: KVConnectorFactory | None = None
+    ) -> None:
+        """`connector_factory`: the KV connector the engine process builds (P/D nodes)."""
         self.config = config
+        self.connector_factory = connector_factory
         self.model_name = config.model.model
         self.max_model_len = 0
         self.compute: ComputeInfo | None = None
@@ -77,12 +88,12 @@ class AsyncEngineClient:
         self._process: Any = None
         self._reader: asyncio.Task[None] | None = None
         self.dead = False
-        self.kv_layout: Any = None
-        self.kv_transport: Any = None
+        self.kv_handshake: KVHandshakeInfo | None = None
+        """What the engine's KV connector publishes for peers (P/D nodes)."""
         self.on_freed_held: Callable[[list[str]], None] | None = None
         """Called with user request ids whose held blocks the engine just freed."""
-        self.on_transfers: Callable[[list[tuple[int, float]]], None] | None = None
-        """Called with the KV reads the engine completed: (bytes, seconds) each."""
+        self.on_connector_stats: Callable[[KVConnectorStats], None] | None = None
+        """Called with what the engine's KV connector counted (KV reads completed)."""
 
     async def start(self) -> None:
         input_addr = f"ipc://{self._dir}/input"
@@ -92,7 +103,7 @@ class AsyncEngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
             target=run_engine_process,
-            args=(self.config, input_addr, output_addr),
+            args=(self.config, self.connector_factory, input_addr, output_addr),
             name="pdserve-engine",
             daemon=True,
         )
@@ -103,7 +114,7 @@ class AsyncEngineClient:
             ready.max_model_len,
             ready.stats,
         )
-        self.kv_layout, self.kv_transport = ready.kv_layout, ready.kv_transport
+        self.kv_handshake = ready.kv_handshake
         self.compute = ready.compute
         self._reader = asyncio.create_task(self._read_outputs())
 
@@ -134,8 +145,9 @@ class AsyncEngineClient:
                 self._deliver(output.request_id, output)
             if message.freed_held and self.on_freed_held is not None:
                 self.on_freed_held(message.freed_held)
-            if message.transfers and self.on_transfers is not None:
-                self.on_transfers(message.transfers)
+            stats = message.connector_stats
+            if not stats.is_empty and self.on_connector_stats is not None:
+                self.on_connector_stats(stats)
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestError) -> None:
         queue = self._queues.get(request_id)
@@ -153,8 +165,8 @@ class AsyncEngineClient:
         params: SamplingParams,
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
-        kv_transfer: object | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        kv_transfer: KVTransferSpec | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
         if self.dead:
             raise EngineDeadError("the engine process is not running")
@@ -170,7 +182,7 @@ class AsyncEngineClient:
                     raise request_failed(item)
                 finished = item.finished
                 if item.error is not None:  # failed inside the engine (a remote KV load)
-                    raise StatusError(item.error, status=502, error_type="kv_transfer_error")
+                    raise KVTransferError(item.error)
                 if item.aborted:
                     raise self._abort_errors.get(request_id) or RequestAbortedError(
                         "the request was aborted by the server"
@@ -196,6 +208,12 @@ class AsyncEngineClient:
                     self._abort_errors[request_id] = error
         if not self.dead:
             await self._send(AbortRequests(tuple(request_ids)))
+
+    async def free_held(self, request_ids: list[str]) -> None:
+        """Free the blocks the engine holds for these finished requests (a prefill node's
+        handoffs ended); the engine reports the ids it freed through `on_freed_held`."""
+        if not self.dead:
+            await self._send(FreeHeld(tuple(request_ids)))
 
     async def _send(self, message: object) -> None:
         await self._to_engine.send(pickle.dumps(message))

@@ -1,6 +1,6 @@
 """Messages between the API process and the engine process (pickled over ZMQ IPC).
 
-API → engine: `AddRequest`, `AbortRequests`, `Shutdown`.
+API → engine: `AddRequest`, `AbortRequests`, `FreeHeld`, `Shutdown`.
 Engine → API: `Ready` once, then `StepOutputs` (outputs of one step, the request errors
 since the last message, and a snapshot of the engine's counters).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.kv_connector import NO_STATS, KVConnectorStats, KVHandshakeInfo, KVTransferSpec
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -21,12 +22,21 @@ class AddRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     """Chat messages: the engine renders the model's chat template."""
-    kv_transfer: object | None = None
+    kv_transfer: KVTransferSpec | None = None
     """`RemoteDecode` / `RemotePrefill` (pdserve.disagg.params) for a P/D leg."""
 
 
 @dataclass(frozen=True)
 class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FreeHeld:
+    """Free the blocks held for these finished requests (user request ids): their owner
+    (a prefill node's handoff table) is done with them. Ids not held are ignored; the
+    freed ones come back in `StepOutputs.freed_held`."""
+
     request_ids: tuple[str, ...]
 
 
@@ -75,10 +85,9 @@ class Ready:
     model_name: str
     max_model_len: int
     stats: EngineStats
-    kv_layout: Any = None
-    """P/D nodes: the `KVLayout` peers must match."""
-    kv_transport: Any = None
-    """Prefill nodes: the `TransportInfo` decode nodes read from."""
+    kv_handshake: KVHandshakeInfo | None = None
+    """What the KV connector publishes for peers (P/D nodes: the KV layout they must
+    match and the transport address decode nodes read from)."""
     compute: ComputeInfo | None = None
 
 
@@ -89,5 +98,5 @@ class StepOutputs:
     stats: EngineStats = field(default_factory=EngineStats)
     freed_held: list[str] = field(default_factory=list)
     """User request ids whose held blocks were freed since the last message."""
-    transfers: list[tuple[int, float]] = field(default_factory=list)
-    """KV reads completed since the last message: (bytes, seconds)."""
+    connector_stats: KVConnectorStats = NO_STATS
+    """What the KV connector counted since the last message (KV reads completed)."""

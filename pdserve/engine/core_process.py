@@ -6,8 +6,8 @@ the engine in its own process (as vLLM and mini-sglang do) keeps the event loop 
 
 Life of the process:
     spawn → load model → send Ready → loop:
-        drain every queued message (add / abort / shutdown) without blocking while busy,
-        or waiting up to IDLE_POLL_MS when idle;
+        drain every queued message (add / abort / free held / shutdown) without blocking
+        while busy, or waiting up to IDLE_POLL_MS when idle;
         if requests are unfinished: step once, send StepOutputs (outputs + stats);
         else: tick the connector and send stats when they changed.
     Shutdown (or the API process gone) → abort everything → exit.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -27,12 +28,14 @@ from pdserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
     EngineStats,
+    FreeHeld,
     Ready,
     RequestError,
     Shutdown,
     StepOutputs,
 )
-from pdserve.engine.engine import LLMEngine, user_request_id
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_connector import KVConnectorFactory
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.outputs import RequestOutput
 from pdserve.parent_watch import ParentWatch
@@ -57,7 +60,12 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     )
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+def run_engine_process(
+    config: EngineConfig,
+    connector_factory: KVConnectorFactory | None,
+    input_addr: str,
+    output_addr: str,
+) -> None:
     """Entry point of the child process (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
@@ -69,7 +77,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     outbox.connect(output_addr)
     parent = ParentWatch()
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, connector_factory)
         outbox.send(pickle.dumps(_ready(engine)))
         try:
             _loop(engine, inbox, outbox, parent)
@@ -82,16 +90,12 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
 
 
 def _ready(engine: LLMEngine) -> Ready:
-    layout = transport = None
-    if engine.config.kv_transfer.role != "both":
-        from pdserve.disagg.connectors import kv_layout
-
-        cache = engine.config.cache
-        layout = kv_layout(engine.loaded, engine.runner.kv_cache, cache.block_size)
-        transport = engine.connector.transport.info()  # type: ignore[attr-defined]
-    name = engine.config.model.model
     return Ready(
-        name, engine.max_model_len, engine_stats(engine), layout, transport, engine.runner.compute
+        engine.config.model.model,
+        engine.max_model_len,
+        engine_stats(engine),
+        engine.connector.handshake_info(),
+        engine.runner.compute,
     )
 
 
@@ -104,6 +108,15 @@ def _poll_ms(engine: LLMEngine) -> int:
     return TRANSFER_POLL_MS if sched.loading or sched.held else IDLE_POLL_MS
 
 
+@dataclass
+class _Replies:
+    """What one loop iteration sends back in its `StepOutputs`."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    freed_held: list[str] = field(default_factory=list)
+
+
 def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent: ParentWatch) -> None:
     last_stats = None
     while True:
@@ -113,45 +126,54 @@ def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent: Pare
             logger.error("the API process is gone: aborting all requests and exiting")
             engine.abort(list(engine.outputs.request_ids()))
             return
-        errors: list[RequestError] = []
-        outputs: list[RequestOutput] = []
-        if inbox.poll(_poll_ms(engine)):
-            while True:
-                try:
-                    message = pickle.loads(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(message, Shutdown):
-                    engine.abort(list(engine.outputs.request_ids()))
-                    return
-                _handle(engine, message, outputs, errors)
-        outputs += engine.step() if engine.has_unfinished() else engine.tick()
+        replies = _Replies()
+        if inbox.poll(_poll_ms(engine)) and not _drain_inbox(engine, inbox, replies):
+            return
+        replies.outputs += engine.step() if engine.has_unfinished() else engine.tick()
         stats = engine_stats(engine)
-        freed = [user_request_id(r) for r in engine.scheduler.freed_held]
-        engine.scheduler.freed_held.clear()
-        transfers = _take_transfers(engine)
-        if outputs or errors or freed or transfers or stats != last_stats:
-            message = StepOutputs(outputs, errors, stats, freed, transfers)
+        connector_stats = engine.connector.take_stats()
+        if (
+            replies.outputs
+            or replies.errors
+            or replies.freed_held
+            or not connector_stats.is_empty
+            or stats != last_stats
+        ):
+            message = StepOutputs(
+                replies.outputs, replies.errors, stats, replies.freed_held, connector_stats
+            )
             outbox.send(pickle.dumps(message))
             last_stats = stats
 
 
-def _take_transfers(engine: LLMEngine) -> list[tuple[int, float]]:
-    take = getattr(engine.connector, "take_transfers", None)  # decode nodes only
-    return take() if take is not None else []
+def _drain_inbox(engine: LLMEngine, inbox: zmq.Socket, replies: _Replies) -> bool:
+    """Apply every queued message without blocking; False once told to shut down (every
+    request is aborted then)."""
+    while True:
+        try:
+            message = pickle.loads(inbox.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return True
+        if isinstance(message, Shutdown):
+            engine.abort(list(engine.outputs.request_ids()))
+            return False
+        _handle(engine, message, replies)
 
 
-def _handle(
-    engine: LLMEngine, message: Any, outputs: list[RequestOutput], errors: list[RequestError]
-) -> None:
-    """Apply one message; aborted requests' final outputs and refusals go to the lists (a
+def _handle(engine: LLMEngine, message: Any, replies: _Replies) -> None:
+    """Apply one message. Aborted requests' final outputs and refusals go to the replies (a
     caller may still be waiting for them: the abort API aborts others' requests)."""
     if isinstance(message, AbortRequests):
-        outputs += engine.abort(list(message.request_ids))
-        return
-    if not isinstance(message, AddRequest):
+        replies.outputs += engine.abort(list(message.request_ids))
+    elif isinstance(message, FreeHeld):
+        replies.freed_held += engine.free_held(list(message.request_ids))
+    elif isinstance(message, AddRequest):
+        _add(engine, message, replies.errors)
+    else:
         logger.warning("ignoring unknown message %r", type(message).__name__)
-        return
+
+
+def _add(engine: LLMEngine, message: AddRequest, errors: list[RequestError]) -> None:
     try:
         prompt = message.prompt
         if message.messages is not None:

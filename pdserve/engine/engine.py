@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector, NoKVConnector
+from pdserve.engine.kv_connector import KVConnectorFactory, KVTransferSpec, NoKVConnector
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
@@ -32,9 +32,11 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        connector: KVConnector | None = None,
+        connector_factory: KVConnectorFactory | None = None,
         loaded: LoadedModel | None = None,
     ) -> None:
+        """`connector_factory`: the node's KV connector, built once the KV pool exists
+        (P/D nodes; the launcher chooses it). None: a single node (`NoKVConnector`)."""
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
@@ -54,11 +56,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, num_blocks, cache.block_size, config.model.seed, config.model.kernels
         )
-        if connector is None and config.kv_transfer.role != "both":
-            from pdserve.disagg.connectors import create_connector  # P/D nodes only
-
-            connector = create_connector(config, self.loaded, self.runner.kv_cache)
-        self.connector = connector or NoKVConnector()
+        self.connector = (
+            connector_factory(self.loaded, self.runner.kv_cache, cache.block_size)
+            if connector_factory is not None
+            else NoKVConnector()
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -72,7 +74,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
-        kv_transfer: object | None = None,
+        kv_transfer: KVTransferSpec | None = None,
     ) -> str:
         """Queue a request; returns its id. `n > 1` becomes n engine requests.
 
@@ -109,20 +111,25 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        """Abort requests in any state; returns their final outputs. Unknown ids: ignored.
-
-        A request that already finished but whose blocks are still held (a prefill leg's
-        handoff) is released too, as far as its connector allows (the vLLM endpoint this
-        project started from could not free finished requests)."""
+        """Abort unfinished requests in any state; returns their final outputs. Unknown or
+        finished ids are ignored (blocks held for a finished request go by `free_held`)."""
         engine_ids = [e for rid in request_ids for e in self.outputs.engine_ids(rid)]
         requests = [self.scheduler.requests[e] for e in engine_ids if e in self.scheduler.requests]
         self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
         outputs, _ = self.outputs.update(requests)
+        return outputs
+
+    def free_held(self, request_ids: Sequence[str]) -> list[str]:
+        """Free the blocks held for these finished user requests (a prefill leg's handoff
+        ended), as far as the connector allows. Returns the user ids freed; others are
+        ignored. (The vLLM endpoint this project started from could not free finished
+        requests at all.)"""
         wanted = set(request_ids)
         held = [h for h in self.scheduler.held if user_request_id(h) in wanted]
-        if held:
-            self.scheduler.release_held(self.connector.on_abort(held))
-        return outputs
+        if not held:
+            return []
+        freed = self.scheduler.release_held(self.connector.on_free_held(held))
+        return [user_request_id(r) for r in freed]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

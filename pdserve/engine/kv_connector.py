@@ -1,11 +1,12 @@
 """The scheduler's only window onto KV transfer: a connector called at named hooks.
 
-The scheduler has no notion of prefill or decode roles. A node's role is the connector it
-is given: `NoKVConnector` on a plain node; the prefill and decode connectors of
-`pdserve.disagg.connectors` on P/D nodes. Every hook runs in the engine process, on the
-engine loop thread, synchronously inside `Scheduler`/`LLMEngine` calls, so it must not
-block on I/O: a connector hands slow work (control messages, transfers) to its own thread
-and reports the results through `on_step_finished`.
+The engine has no notion of prefill or decode roles. A node's role is the connector it
+is given: the launcher passes a `KVConnectorFactory` (P/D nodes: the one of
+`pdserve.disagg.connectors`), which the engine calls once its KV pool exists; without one
+the engine uses `NoKVConnector`. Every hook runs in the engine process, on the engine
+loop thread, synchronously inside `Scheduler`/`LLMEngine` calls, so it must not block on
+I/O: a connector hands slow work (control messages, transfers) to its own thread and
+reports the results through `on_step_finished`.
 
 The life of a request whose prompt KV comes from elsewhere (a decode node's request):
 
@@ -20,11 +21,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    """Base of what a request asks of the KV connector (`Request.kv_transfer`): hold the
+    prompt's KV for another node, or load it from one. The scheduler never looks inside;
+    a connector acts on its own subclasses (`pdserve.disagg.params`) and ignores others."""
+
+
+@dataclass(frozen=True)
+class KVHandshakeInfo:
+    """Base of what a connector publishes for its peers (`KVConnector.handshake_info`):
+    the engine process sends it to the API process once, in `Ready`."""
+
+
+@dataclass(frozen=True)
+class KVConnectorStats:
+    """What a connector counted since it was last asked (`KVConnector.take_stats`)."""
+
+    transfers: tuple[tuple[int, float], ...] = ()
+    """KV reads completed: (bytes, seconds) each."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.transfers
 
 
 @dataclass(frozen=True)
@@ -47,6 +76,7 @@ class ConnectorEvents:
 
 
 NO_EVENTS = ConnectorEvents()
+NO_STATS = KVConnectorStats()
 
 
 class KVConnector:
@@ -88,16 +118,28 @@ class KVConnector:
         """
         return False
 
-    def on_abort(self, request_ids: Sequence[str]) -> Sequence[str]:
-        """Called by `LLMEngine.abort` with the internal ids of aborted user requests that
-        had already finished. Returns the ids whose held blocks may be freed now (a
-        prefill node releasing a handoff); blocks still being written stay held."""
+    def on_free_held(self, request_ids: Sequence[str]) -> Sequence[str]:
+        """Called by `LLMEngine.free_held` with the internal ids of held requests whose
+        owner is done with their blocks (a prefill node's handoff ended). Returns the ids
+        whose blocks may be freed now; blocks a transfer may still write stay held.
+        Side-effect free."""
         return ()
 
     def on_step_finished(self, output: SchedulerOutput) -> ConnectorEvents:
         """Called at the end of every engine step (and of every idle tick): loads that
         ended, and held requests that may be freed."""
         return NO_EVENTS
+
+    def handshake_info(self) -> KVHandshakeInfo | None:
+        """Called once by the engine process, after the engine is built, for its `Ready`
+        message: what peers need to reach this node's KV (layout, transport address).
+        None: nothing to publish. Side-effect free."""
+        return None
+
+    def take_stats(self) -> KVConnectorStats:
+        """Called by the engine process after every loop iteration (engine thread): what
+        happened since the last call, for the metrics. Resets the counts."""
+        return NO_STATS
 
     def close(self) -> None:
         """Called once by `LLMEngine.close` when the engine stops: end threads and
@@ -106,3 +148,12 @@ class KVConnector:
 
 class NoKVConnector(KVConnector):
     """A single node: no transfers, nothing held."""
+
+
+class KVConnectorFactory(Protocol):
+    """Builds a node's connector in the engine process, once its KV pool exists. Passed by
+    the launcher through the engine process's spawn, so an implementation must pickle."""
+
+    def __call__(
+        self, loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int
+    ) -> KVConnector: ...

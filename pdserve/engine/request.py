@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.kv_connector import KVTransferSpec
 from pdserve.sampling_params import SamplingParams
 
 
@@ -73,7 +74,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
-        kv_transfer: object | None = None,
+        kv_transfer: KVTransferSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.kv_transfer = kv_transfer

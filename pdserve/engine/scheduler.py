@@ -89,8 +89,6 @@ class Scheduler:
         """Requests waiting for a remote load, with the token count they will have computed."""
         self.held: set[str] = set()
         """Finished requests whose blocks the connector keeps pinned."""
-        self.freed_held: list[str] = []
-        """Held requests freed since the owner last cleared this list (for reporting)."""
         self.num_preemptions = 0
 
     # -- admission and abort ---------------------------------------------------------
@@ -260,7 +258,6 @@ class Scheduler:
         for request_id in freed:
             self.held.remove(request_id)
             self.kv.free(request_id)
-        self.freed_held.extend(freed)
         return freed
 
     def _apply(self, events: ConnectorEvents) -> list[Request]:

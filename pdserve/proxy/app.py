@@ -31,9 +31,11 @@ from pdserve import logs
 from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import ERROR_HANDLERS, error_response
 from pdserve.api.openapi import openapi_document
+from pdserve.config import ProxyConfig
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, check_health
+from pdserve.seams import NO_SEAMS, Seams
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +81,10 @@ class ProxyMetrics:
 
 @dataclass
 class ProxyState:
-    prefill: BackendPool
-    decode: BackendPool
-    api_key: str | None = None
-    node_api_key: str | None = None
-    prefill_timeout_s: float = 300.0
-    """The whole prefill leg."""
-    decode_timeout_s: float = 300.0
-    """The longest silence of a decode leg: connecting, until its first token, and between
-    two chunks of its stream (every leg streams). Never a bound on the answer's length."""
-    health_interval_s: float = 1.0
-    debug_between_legs_s: float = 0.0
-    """Testing only: a pause between the legs, to open window S3 wide enough to hit."""
+    config: ProxyConfig
+    seams: Seams = NO_SEAMS
+    prefill: BackendPool = field(init=False)
+    decode: BackendPool = field(init=False)
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     departures: deque[dict[str, object]] = field(
         default_factory=lambda: deque(maxlen=NUM_DEPARTURES_KEPT)
@@ -101,9 +95,14 @@ class ProxyState:
     """Releases that must not hold up a request (a retry elsewhere, a 499), awaited at
     shutdown so that none is dropped."""
 
+    def __post_init__(self) -> None:
+        self.prefill = BackendPool("prefill", self.config.prefill_urls)
+        self.decode = BackendPool("decode", self.config.decode_urls)
+
     @property
     def node_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.node_api_key}"} if self.node_api_key else {}
+        key = self.config.node_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -126,16 +125,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         return await serve_request(state, request, "/v1/chat/completions")
 
     async def models(request: Request) -> Response:
-        backend = state.decode.choose() or state.prefill.choose()
-        if backend is None:
-            return error_response(503, "no node is available", "service_unavailable")
-        try:
-            response = await state.http.get(
-                f"{backend.url}/v1/models", headers=state.node_headers, timeout=5.0
-            )
-        except httpx.HTTPError as e:
-            return error_response(502, f"node {backend.url}: {type(e).__name__}", "upstream_error")
-        return Response(response.content, response.status_code, media_type="application/json")
+        return await _models(state)
 
     async def health(request: Request) -> Response:
         counts = {"num_prefill_up": state.prefill.num_up, "num_decode_up": state.decode.num_up}
@@ -160,24 +150,6 @@ def create_proxy_app(state: ProxyState) -> Starlette:
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(request.app.routes, "pdserve proxy", OPEN_PATHS))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
-        state.http = httpx.AsyncClient(limits=limits)
-        checker = asyncio.create_task(
-            check_health([state.prefill, state.decode], state.http, state.health_interval_s)
-        )
-        try:
-            yield
-        finally:
-            checker.cancel()
-            if state.background:  # each release gives up after 2 s
-                await asyncio.wait(set(state.background), timeout=5.0)
-            await state.http.aclose()
-            for pool in (state.prefill, state.decode):
-                for backend in pool.backends:
-                    backend.upstream.close()
-
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -188,11 +160,44 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             Route("/admin/departures", departures, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=functools.partial(_lifespan, state),
         exception_handlers=ERROR_HANDLERS,
     )
-    app.add_middleware(BearerAuth, api_key=state.api_key)
+    app.add_middleware(BearerAuth, api_key=state.config.api_key)
     return app
+
+
+async def _models(state: ProxyState) -> Response:
+    """`GET /v1/models`: a node's answer, passed through."""
+    backend = state.decode.choose() or state.prefill.choose()
+    if backend is None:
+        return error_response(503, "no node is available", "service_unavailable")
+    try:
+        response = await state.http.get(
+            f"{backend.url}/v1/models", headers=state.node_headers, timeout=5.0
+        )
+    except httpx.HTTPError as e:
+        return error_response(502, f"node {backend.url}: {type(e).__name__}", "upstream_error")
+    return Response(response.content, response.status_code, media_type="application/json")
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
+    """The shared HTTP client and the health checks live as long as the app."""
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
+    state.http = httpx.AsyncClient(limits=limits)
+    pools = [state.prefill, state.decode]
+    checker = asyncio.create_task(check_health(pools, state.http, state.config.health_interval_s))
+    try:
+        yield
+    finally:
+        checker.cancel()
+        if state.background:  # each release gives up after 2 s
+            await asyncio.wait(set(state.background), timeout=5.0)
+        await state.http.aclose()
+        for pool in pools:
+            for backend in pool.backends:
+                backend.upstream.close()
 
 
 class BearerAuth:
@@ -212,25 +217,30 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def run_proxy(state: ProxyState, host: str, port: int, parent_pid: int | None = None) -> None:
+async def run_proxy(state: ProxyState) -> None:
     """Serve until SIGINT/SIGTERM (or, with `parent_pid`, until that process is gone)."""
-    config = uvicorn.Config(
-        create_proxy_app(state),
-        host=host,
-        port=port,
-        log_level=logs.uvicorn_level(),
-        timeout_graceful_shutdown=2,
+    config = state.config
+    server = uvicorn.Server(proxy_uvicorn_config(state))
+    prefill, decode = list(config.prefill_urls), list(config.decode_urls)
+    logger.info(
+        "proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port, prefill, decode
     )
-    prefill = [b.url for b in state.prefill.backends]
-    decode = [b.url for b in state.decode.backends]
-    logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill, decode)
-    server = uvicorn.Server(config)
     watcher = None
-    if parent_pid is not None:
+    if config.parent_pid is not None:
         stop = functools.partial(setattr, server, "should_exit", True)
-        watcher = asyncio.create_task(ParentWatch(parent_pid).stop_when_gone(stop, "proxy"))
+        watcher = asyncio.create_task(ParentWatch(config.parent_pid).stop_when_gone(stop, "proxy"))
     try:
         await server.serve()
     finally:
         if watcher is not None:
             watcher.cancel()
+
+
+def proxy_uvicorn_config(state: ProxyState) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_proxy_app(state),
+        host=state.config.host,
+        port=state.config.port,
+        log_level=logs.uvicorn_level(),
+        timeout_graceful_shutdown=2,
+    )

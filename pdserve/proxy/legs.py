@@ -37,7 +37,6 @@ Only vLLM's `kv_transfer_params` fields are needed; `release_token` is used when
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 import logging
@@ -50,6 +49,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.api.caller import ClientGone, client_request_id, unless_gone, wait_disconnect
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
 from pdserve.errors import PdserveError
 from pdserve.proxy.assembler import StreamAssembler
@@ -62,10 +62,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected while a leg was in flight."""
 
 
 class Stage(enum.Enum):
@@ -87,35 +83,20 @@ class Stage(enum.Enum):
     """A decode node that ignored `stream` answers with one JSON body, being read."""
 
 
-def client_request_id(request: Request) -> str:
-    """The client's X-Request-Id as nodes take it (printable ASCII, at most 256 chars)."""
-    raw = request.headers.get("x-request-id", "")[:256]
-    return "".join(c for c in raw if " " <= c <= "~")
-
-
 class _Client:
     """Watches one client request for a disconnect (one task for both legs) and knows the
     stage the request is in."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.request_id = client_request_id(request) or f"pdproxy-{secrets.token_hex(8)}"
+        self.request_id = client_request_id(request.headers) or f"pdproxy-{secrets.token_hex(8)}"
         self.stage = Stage.PREFILL
-        self._gone = asyncio.ensure_future(_wait_disconnect(request))
+        self._gone = asyncio.ensure_future(wait_disconnect(request))
 
     async def unless_gone(self, work: Awaitable[T]) -> T:
         """Await `work`, or cancel it (closing its upstream connection) and raise ClientGone
         if the client disconnects first."""
-        task = asyncio.ensure_future(work)
-        await asyncio.wait({task, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, UpstreamError):
-            result = await task  # it finished anyway: close what it opened
-            if isinstance(result, UpstreamResponse):
-                result.close()
-        raise ClientGone
+        return await unless_gone(work, self._gone, _close_if_response)
 
     @property
     def gone(self) -> bool:
@@ -125,11 +106,16 @@ class _Client:
         self._gone.cancel()
 
 
+def _close_if_response(result: object) -> None:
+    if isinstance(result, UpstreamResponse):  # it arrived anyway: close what it opened
+        result.close()
+
+
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
     body = await _client_body(request)
     if isinstance(body, Response):
         if body.status_code == 499:
-            state.record_departure(client_request_id(request), Stage.RECEIVING)
+            state.record_departure(client_request_id(request.headers), Stage.RECEIVING)
         outcome = "client_gone" if body.status_code == 499 else "bad_request"
         state.metrics.requests.labels(outcome).inc()
         return body
@@ -146,8 +132,8 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
                 502, "the prefill node returned no kv_transfer_params", "upstream_error"
             )
         client.stage = Stage.BETWEEN_LEGS
-        if state.debug_between_legs_s:
-            await asyncio.sleep(state.debug_between_legs_s)
+        if state.seams.between_legs_s:
+            await asyncio.sleep(state.seams.between_legs_s)
         if client.gone or await request.is_disconnected():  # S3: gone between the legs
             await release_handoff(state, backend, kv)
             raise ClientGone
@@ -191,11 +177,11 @@ async def _prefill_leg(
         token = secrets.token_urlsafe(24)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "release_token": token}
         started = time.perf_counter()
-        backend.num_outstanding += 1
         try:
             payload = json.dumps(leg).encode()
+            headers = _leg_headers(state, client)
             status, content = await client.unless_gone(
-                _post(backend, path, payload, _leg_headers(state, client), state.prefill_timeout_s)
+                _post(backend, path, payload, headers, state.config.prefill_timeout_s)
             )
         except (ClientGone, UpstreamError) as e:
             if not isinstance(e, Unreachable):  # it may have reached the node: let it go
@@ -207,8 +193,6 @@ async def _prefill_leg(
             logger.warning("prefill leg on %s failed: %s", backend.url, e)
             last_error = _upstream_failure(backend, e)
             continue
-        finally:
-            backend.num_outstanding -= 1
         state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
         if status == 200:
             return backend, json.loads(content)
@@ -222,7 +206,7 @@ async def _prefill_leg(
 async def _post(
     backend: Backend, path: str, payload: bytes, headers: dict[str, str], timeout_s: float
 ) -> tuple[int, bytes]:
-    response = await backend.upstream.post_json(path, payload, headers, timeout_s)
+    response = await backend.post_json(path, payload, headers, timeout_s)
     try:
         return response.status, await response.read()
     finally:
@@ -249,14 +233,12 @@ async def _decode_leg(
     client.stage = Stage.DECODE
     for backend in _attempts(state, state.decode):
         started = time.perf_counter()
-        backend.num_outstanding += 1
         try:
-            send = backend.upstream.post_json(
-                path, payload, _leg_headers(state, client), state.decode_timeout_s
+            send = backend.post_json(
+                path, payload, _leg_headers(state, client), state.config.decode_timeout_s
             )
             response = await client.unless_gone(send)
         except (ClientGone, UpstreamError) as e:
-            backend.num_outstanding -= 1
             if isinstance(e, Unreachable):
                 logger.warning("decode node unreachable: %s", e)
                 backend.record(False)
@@ -294,7 +276,6 @@ async def _decode_refused(
         content = b""
     finally:
         response.close()
-        backend.num_outstanding -= 1
     await release_handoff(state, prefill, kv)
     state.metrics.requests.labels("upstream_error").inc()
     return _forward_error(response.status, content)
@@ -322,7 +303,6 @@ async def _decode_answer(
         return _upstream_failure(backend, e)
     finally:
         response.close()
-        backend.num_outstanding -= 1
     state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
     if isinstance(data, StreamAssembler):  # the node gave up mid-stream (drain, operator)
         state.metrics.requests.labels("upstream_error").inc()
@@ -400,7 +380,6 @@ async def _relay_stream(
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         response.close()
-        backend.num_outstanding -= 1
         state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
         state.metrics.requests.labels(outcome).inc()
         if outcome == "client_gone":
@@ -494,8 +473,3 @@ def _forward_error(status: int, content: bytes) -> Response:
 def _upstream_failure(backend: Backend, e: UpstreamError) -> Response:
     status = 504 if isinstance(e, UpstreamTimeout) else 502
     return error_response(status, f"{backend.role} node {backend.url}: {e}", "upstream_error")
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

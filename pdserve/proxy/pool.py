@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.proxy.upstream import Node
+from pdserve.proxy.upstream import Node, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class Backend:
     role: str
     up: bool = True
     num_outstanding: int = 0
+    """Legs in flight to the node from this proxy (only `post_json` counts them)."""
     kv_usage: float = 0.0
     _failures: int = 0
     _successes: int = 0
@@ -39,6 +40,23 @@ class Backend:
 
     def __post_init__(self) -> None:
         self.upstream = Node(self.url)
+
+    async def post_json(
+        self, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None
+    ) -> UpstreamResponse:
+        """POST a leg through this node's connections. It counts in `num_outstanding` from
+        now until its response is closed, or until the POST fails."""
+        self.num_outstanding += 1
+        try:
+            response = await self.upstream.post_json(path, body, headers, timeout_s)
+        except BaseException:
+            self.num_outstanding -= 1
+            raise
+        response.on_close(self._request_ended)
+        return response
+
+    def _request_ended(self) -> None:
+        self.num_outstanding -= 1
 
     def record(self, ok: bool) -> None:
         if ok:

@@ -20,9 +20,9 @@ import httpx
 import uvicorn
 
 from pdserve import logs
-from pdserve.proxy.app import ProxyState, create_proxy_app
+from pdserve.config import ModelConfig, ProxyConfig
+from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
-from pdserve.proxy.pool import BackendPool
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,12 @@ verbs providers are installed without hardware). Explicit settings in the enviro
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local proxy + prefill + decode cluster")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--host", default=ProxyConfig.host)
+    up.add_argument("--port", type=int, default=ProxyConfig.port)
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
-    up.add_argument("--model", default="default")
-    up.add_argument("--dtype", default="auto")
+    up.add_argument("--model", default=ModelConfig.model)
+    up.add_argument("--dtype", default=ModelConfig.dtype)
     up.add_argument("--api-key", default=None, help="required from clients and between nodes")
     up.add_argument("--num-kv-blocks", type=int, default=None)
     up.add_argument("--max-model-len", type=int, default=None)
@@ -95,24 +95,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) -> int:
-    state = ProxyState(
-        prefill=BackendPool(
-            "prefill", [n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"]
-        ),
-        decode=BackendPool(
-            "decode", [n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"]
-        ),
+    config = ProxyConfig(
+        prefill_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"),
+        decode_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"),
+        host=args.host,
+        port=args.port,
         api_key=args.api_key,
         node_api_key=args.api_key,
     )
-    config = uvicorn.Config(
-        create_proxy_app(state),
-        host=args.host,
-        port=args.port,
-        log_level=logs.uvicorn_level(),
-        timeout_graceful_shutdown=2,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
     serving = asyncio.create_task(server.serve())
     url = f"http://{args.host}:{args.port}"
     while not server.started:

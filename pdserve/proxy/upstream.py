@@ -1,10 +1,9 @@
 """A lean HTTP/1.1 client for the proxy's legs: keep-alive connections per node, JSON
 bodies out, `Content-Length` or chunked bodies in, SSE lines streamed.
 
-Why not httpx: measured on the 2-core dev VM, httpx's async client cost about 1.5 ms of CPU
-per request and fell to ~120 requests/s at 64 concurrent clients (its pool scans and
-locks), while a bare asyncio connection does a round trip to the same node in ~0.15 ms.
-The proxy makes two upstream requests per client request, so this is its hot path.
+Why not httpx: its async client's pool scans and locks cost far more CPU per request than
+a bare asyncio connection's round trip (docs/benchmarks.md, "Proxy overhead"), and the
+proxy makes two upstream requests per client request, so this is its hot path.
 
 Life of a connection: opened on demand (a failure to connect is `Unreachable`: the
 request never reached the node, so it may go elsewhere) → one request at a time → back to
@@ -16,7 +15,7 @@ retried once on a fresh one: the node never saw that request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -67,6 +66,7 @@ class UpstreamResponse:
         self.headers = headers
         self._node, self._conn, self._timeout_s = node, conn, timeout_s
         self._done = False
+        self._on_close: Callable[[], None] | None = None
 
     @property
     def node_url(self) -> str:
@@ -88,11 +88,19 @@ class UpstreamResponse:
         if pending:
             yield pending
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, at the first `close()`."""
+        self._on_close = callback
+
     def close(self) -> None:
-        """Drop the connection unless the body was read to the end (then it is reused)."""
+        """Drop the connection unless the body was read to the end (then it is reused).
+        Idempotent."""
         if not self._done:
             self._conn.close()
             self._done = True
+        callback, self._on_close = self._on_close, None
+        if callback is not None:
+            callback()
 
     async def _readline(self) -> bytes:
         return await _within(self._timeout_s, self._conn.reader.readline())

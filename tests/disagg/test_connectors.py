@@ -27,9 +27,10 @@ import torch
 from pdserve.config import SchedulerConfig
 from pdserve.disagg.connectors import DecodeConnector, PrefillConnector
 from pdserve.disagg.control import ControlClient, ControlError, Handshake
+from pdserve.disagg.messages import Outcome, ReleaseReason
 from pdserve.disagg.params import HandoffRef, KVLayout, RemoteDecode, RemotePrefill
 from pdserve.disagg.transport import InProcessTransport
-from pdserve.engine.kv_connector import NO_EVENTS, ConnectorEvents, LoadResult
+from pdserve.engine.kv_connector import NO_EVENTS, ConnectorEvents, KVTransferSpec, LoadResult
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -61,12 +62,12 @@ class FakeControl:
     def __init__(
         self,
         handshake_reply: Handshake,
-        claim_outcome: str = "ok",
+        claim_outcome: Outcome | str = Outcome.OK,
         claim_timeout_s: float = 10.0,
         unreachable: tuple[str, ...] = (),
     ) -> None:
         self.handshake_reply = handshake_reply
-        self.claim_outcome = claim_outcome
+        self.claim_outcome = Outcome(claim_outcome)
         self.claim_timeout_s = claim_timeout_s
         self.unreachable = set(unreachable)
         self.paused: dict[str, threading.Event] = {}
@@ -84,22 +85,22 @@ class FakeControl:
         self._record("handshake", url)
         return self.handshake_reply
 
-    def renew(self, url: str, refs: list[HandoffRef]) -> list[str]:
+    def renew(self, url: str, refs: list[HandoffRef]) -> list[Outcome]:
         self._record("renew", url, tuple(refs))
-        return ["ok"] * len(refs)
+        return [Outcome.OK] * len(refs)
 
-    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[str, float]:
+    def claim(self, url: str, ref: HandoffRef, block_ids: Sequence[int]) -> tuple[Outcome, float]:
         self._record("claim", url, ref)
         self.claimed_block_ids.append(tuple(block_ids))
         return self.claim_outcome, self.claim_timeout_s
 
-    def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> str:
+    def finish_read(self, url: str, ref: HandoffRef, ok: bool) -> Outcome:
         self._record("finish_read", url, ref, ok)
-        return "ok"
+        return Outcome.OK
 
-    def release(self, url: str, ref: HandoffRef, reason: str) -> str:
+    def release(self, url: str, ref: HandoffRef, reason: ReleaseReason) -> Outcome:
         self._record("release", url, ref, reason)
-        return "ok"
+        return Outcome.OK
 
     def close(self) -> None:
         self.closed = True
@@ -338,9 +339,9 @@ def test_load_renews_while_pending_then_claims_reads_and_runs_from_the_last_posi
     # A claimed handoff is not renewed (one renewal may have been under way at the claim).
     methods = [c[0] for c in node.control.calls("renew", "claim", "finish_read")]
     assert methods[methods.index("claim") :].count("renew") <= 1
-    [(num_bytes, seconds)] = node.connector.take_transfers()
+    [(num_bytes, seconds)] = node.connector.take_stats().transfers
     assert num_bytes == 2 * BLOCK_BYTES and seconds >= 0
-    assert node.connector.take_transfers() == []
+    assert node.connector.take_stats().transfers == ()
 
     assert request.status is RequestStatus.RUNNING
     assert request.num_computed_tokens == 8
@@ -680,7 +681,7 @@ def test_a_failed_read_is_reported_and_the_prompt_recomputed_or_failed(
         ("finish_read", PREFILL_URL, ref, False),
     ]
     assert not node.decode.kv_cache.any()
-    assert node.connector.take_transfers() == []
+    assert node.connector.take_stats().transfers == ()
     if fail_on_load_error:
         assert failed == [request]
         assert_fails(node, scheduler, request, "KV read failed: injected failure")
@@ -822,16 +823,16 @@ def test_close_waits_for_a_read_in_flight(make_node: Callable[..., DecodeNode]) 
     ],
 )
 def test_prefill_connector_holds_only_normally_finished_prefill_legs(
-    kv_transfer: object, status: RequestStatus, block_ids: list[int], held: bool
+    kv_transfer: KVTransferSpec | None, status: RequestStatus, block_ids: list[int], held: bool
 ) -> None:
     name = f"prefill-{next(_agent_ids)}"
     transport = InProcessTransport(name, torch.zeros(4, 2))
-    connector = PrefillConnector(transport)
+    connector = PrefillConnector(transport, make_layout())
     request = Request("p0", [1, 2, 3], SamplingParams(max_tokens=1), kv_transfer=kv_transfer)
     request.status = status
     try:
         assert connector.on_request_finished(request, block_ids) is held
-        assert list(connector.on_abort(["p0", "p1"])) == ["p0", "p1"]
+        assert list(connector.on_free_held(["p0", "p1"])) == ["p0", "p1"]
     finally:
         connector.close()
     InProcessTransport(name, torch.zeros(4, 2)).close()  # the name is free: it was closed
@@ -844,7 +845,9 @@ TINY_LLAMA_CONFIG = (
 )
 
 
-def test_engine_holds_a_finished_prefill_leg_until_it_is_aborted(tmp_path: Path) -> None:
+def test_engine_holds_a_finished_prefill_leg_until_it_is_freed(tmp_path: Path) -> None:
+    from pdserve.disagg.config import KVTransferConfig, KVTransportKind, Role
+    from pdserve.disagg.connectors import connector_factory
     from pdserve.engine.engine import LLMEngine
     from pdserve.llm import engine_config
 
@@ -856,10 +859,9 @@ def test_engine_holds_a_finished_prefill_leg_until_it_is_aborted(tmp_path: Path)
         device="cpu",
         num_blocks=32,
         block_size=4,
-        role="prefill",
-        transport="inprocess",
     )
-    engine = LLMEngine(config)
+    kv = KVTransferConfig(role=Role.PREFILL, transport=KVTransportKind.INPROCESS)
+    engine = LLMEngine(config, connector_factory(kv))
     try:
         assert isinstance(engine.connector, PrefillConnector)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -875,7 +877,9 @@ def test_engine_holds_a_finished_prefill_leg_until_it_is_aborted(tmp_path: Path)
         assert internal_id.startswith(f"{held_leg}#")
         assert engine.kv.num_free_blocks == engine.kv.num_blocks - 3
 
-        engine.abort([held_leg])
+        engine.abort([held_leg])  # finished: an abort does not touch its held blocks
+        assert engine.scheduler.held == {internal_id}
+        assert engine.free_held([held_leg]) == [held_leg]
         assert engine.scheduler.held == set()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     finally:
