@@ -161,7 +161,8 @@ def cpu_level(name: str) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def smollm2_llm() -> Any:
-    """pdserve's LLM on the default model, fp32 (references are compared in fp32)."""
+    """pdserve's LLM on the default model, fp32 with the weights dequantized (references
+    are compared in fp32, to HF's model of the same dequantized weights)."""
     from pdserve import LLM
 
-    return LLM("default", dtype="float32", num_blocks=512, max_model_len=2048)
+    return LLM("default", dtype="float32", quantization="none", num_blocks=512, max_model_len=2048)

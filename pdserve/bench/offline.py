@@ -80,7 +80,11 @@ class Runner(Protocol):
 
 
 def pdserve_runner(
-    args: argparse.Namespace, planned: Workload, kernels: str = "auto", **engine_options: Any
+    args: argparse.Namespace,
+    planned: Workload,
+    kernels: str = "auto",
+    quantization: str | None = None,
+    **engine_options: Any,
 ) -> Runner:
     """pdserve in this process; `engine_options` go to `LLM` as they are (block_size=16:
     bench/block_size_probe.py). Each run leaves its timer and outputs on the runner."""
@@ -92,6 +96,7 @@ def pdserve_runner(
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         kernels=kernels,
+        quantization=quantization or args.quantization,
         kv_cache_memory_bytes=kv_cache_bytes(args, planned),
         # Off for pdserve and vLLM (run_vllm.py) alike: every --repeat sends the same
         # prompts again, and blocks cached by the previous repeat would skip most of the
@@ -120,7 +125,10 @@ def pdserve_runner(
         return seconds
 
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
+    if quantization is not None:
+        name += f"-{quantization}"
     run.name = name  # type: ignore[attr-defined]
+    run.quantization = llm.engine.loaded.quantization  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
 
@@ -135,6 +143,11 @@ def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
     tokens = workload.num_prompt_tokens + workload.num_output_tokens
     return max(1 << 30, int(1.25 * tokens * per_token))
+
+
+def pdserve_dense_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """pdserve with every weight dequantized at load: what keeping the blocks gains."""
+    return pdserve_runner(args, planned, quantization="none")
 
 
 def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
@@ -285,6 +298,7 @@ PeerFactory = Callable[[argparse.Namespace, Workload], Runner]
 PEERS: dict[str, PeerFactory] = {
     "hf": hf_runner,
     "torch": pdserve_torch_runner,
+    "dense": pdserve_dense_runner,
     "vllm": VllmRunner,
 }
 
@@ -362,6 +376,9 @@ def _alternating_runs(
             f"{1e3 * timer.schedule_s / n:.2f} ms, model {1e3 * timer.model_s / n:.1f} ms, "
             f"outputs {1e3 * timer.output_s / n:.2f} ms"
         )
+    for runner in runners:
+        if hasattr(runner, "quantization"):
+            print(f"{runner.name} weights: {runner.quantization}")
     return seconds
 
 
