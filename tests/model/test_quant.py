@@ -195,3 +195,29 @@ def test_corrupt_scale_is_refused(tmp_path: Any) -> None:
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=r"layers\.3\.mlp\.down_proj\.weight.*not a finite"):
         load_model(ModelConfig(model=str(bad), dtype="float32", max_model_len=128))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied head; tied head and qkv bias
+def test_hf_checkpoint_quantized_at_load(arch: str, tmp_path: Any) -> None:
+    """A dense checkpoint asked for Q8_0: every linear and the embedding in blocks, and
+    logprobs close to the dense model's (Q8_0 keeps ~0.4% of each weight)."""
+    if cpu_kernels.load(torch.float32) is None:
+        pytest.skip(f"no float32 kernels: {cpu_kernels.unavailable_reason(torch.float32)}")
+    from tests.conftest import save_tiny_hf_model
+
+    path = save_tiny_hf_model(tmp_path / arch, arch, hidden_size=128, intermediate_size=256)
+    opts = dict(dtype="float32", num_blocks=32, max_model_len=128)
+    dense = LLM(str(path), quantization="none", **opts)
+    q8 = LLM(str(path), quantization="q8_0", **opts)
+    model = q8.engine.loaded.model
+    assert all(
+        isinstance(m, quant.QuantModule) and m.qtype == QuantType.Q8_0
+        for m in (model.embed_tokens, model.lm_head, model.layers[1].self_attn.qkv_proj)
+    )
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    for prompt in ([5, 6, 7, 8], [100, 200, 300]):
+        a = dense.generate([prompt], params)[0].outputs[0]
+        b = q8.generate([prompt], params)[0].outputs[0]
+        first_a, first_b = dict(a.logprobs[0].top), dict(b.logprobs[0].top)
+        assert a.token_ids[0] == b.token_ids[0]
+        assert all(abs(v - first_b[t]) < 0.05 for t, v in first_a.items() if t in first_b)
