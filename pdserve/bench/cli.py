@@ -33,8 +33,8 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument(
         "--compare",
         default="",
-        help="comma-separated peers: hf, vllm, torch (pdserve on plain PyTorch ops), dense "
-        "(pdserve with the weights dequantized at load)",
+        help="comma-separated peers: hf, vllm, llamacpp (the same GGUF; one request at a "
+        "time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights dequantized)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(
