@@ -17,6 +17,7 @@ from pdserve.config import (
     DTYPES,
     KERNEL_CHOICES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     ModelConfig,
     ProxyConfig,
@@ -59,8 +60,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kernels",
         default=ModelConfig.kernels,
         choices=KERNEL_CHOICES,
-        help="auto: fused bf16 CPU kernels where the CPU has AVX512-BF16; torch: PyTorch "
-        "ops; triton: Triton paged decode attention on CUDA",
+        help="auto: the fused CPU kernels where the CPU has them for the dtype; torch: "
+        "PyTorch ops; triton: Triton paged decode attention on CUDA",
+    )
+    g.add_argument(
+        "--quantization",
+        default=ModelConfig.quantization,
+        choices=QUANTIZATIONS,
+        help="auto: in float32 on the CPU kernels, keep a GGUF file's Q8_0/Q4_0/Q4_1 weights "
+        "in their blocks; none: dequantize at load; q8_0/q4_0/q4_1: every linear in that format",
     )
 
 
@@ -78,6 +86,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
         "kernels": args.kernels,
+        "quantization": args.quantization,
     }
 
 

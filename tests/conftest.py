@@ -36,8 +36,9 @@ settings.register_profile("soak", max_examples=300, **_HTTP_PROPERTIES)
 settings.load_profile("ci")
 
 
-def save_tiny_hf_model(path: Path, arch: str, seed: int = 0) -> Path:
-    """A 2-layer random model of the given family, saved as a Hugging Face directory."""
+def save_tiny_hf_model(path: Path, arch: str, seed: int = 0, **sizes: int) -> Path:
+    """A 2-layer random model of the given family, saved as a Hugging Face directory;
+    `sizes` override its config's (hidden_size=128 gives heads of 32, the CPU kernels')."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -54,6 +55,7 @@ def save_tiny_hf_model(path: Path, arch: str, seed: int = 0) -> Path:
         eos_token_id=2,
         tie_word_embeddings=arch == "qwen2",
     )
+    common.update(sizes)
     config, cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -161,7 +163,8 @@ def cpu_level(name: str) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def smollm2_llm() -> Any:
-    """pdserve's LLM on the default model, fp32 (references are compared in fp32)."""
+    """pdserve's LLM on the default model, fp32 with the weights dequantized (references
+    are compared in fp32, to HF's model of the same dequantized weights)."""
     from pdserve import LLM
 
-    return LLM("default", dtype="float32", num_blocks=512, max_model_len=2048)
+    return LLM("default", dtype="float32", quantization="none", num_blocks=512, max_model_len=2048)

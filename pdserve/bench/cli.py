@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pdserve.config import QUANTIZATIONS
+
 DTYPES = ["auto", "bfloat16", "float32"]
 
 
@@ -16,6 +18,12 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument(
         "--dtype", default="auto", choices=DTYPES, help="auto: what pdserve picks on this CPU"
     )
+    off.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="how pdserve keeps the weights (auto: a GGUF's blocks in float32 on the kernels)",
+    )
     off.add_argument("--workload", default="fixed", choices=["fixed", "mixed"])
     off.add_argument("--num-prompts", type=int, default=32)
     off.add_argument("--input-len", type=int, default=32)
@@ -25,7 +33,8 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument(
         "--compare",
         default="",
-        help="comma-separated peers: hf, vllm, torch (pdserve on plain PyTorch ops)",
+        help="comma-separated peers: hf, vllm, llamacpp (the same GGUF; one request at a "
+        "time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights dequantized)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdserve.config import QUANTIZATIONS
 from pdserve.model import huge_pages
+from pdserve.model.quant import QuantLinear, QuantType, quantize
 
 
 def add_parser(sub: Any) -> None:
@@ -42,6 +44,12 @@ def add_parser(sub: Any) -> None:
         default="auto",
         choices=["auto", "bfloat16", "float32"],
         help="which kernels: bf16 or float32 (auto: what the model would run in here)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="how the decode steps' model keeps its weights (the linear sweep adds a Q4_1 column)",
     )
     p.add_argument("--max-m", type=int, default=8, help="largest row count for the linear sweep")
     p.add_argument("--repeat", type=int, default=15)
@@ -104,7 +112,13 @@ def _decode_steps(
     from pdserve.model.ops import CpuKernelOps
 
     name = str(dtype).removeprefix("torch.")
-    llm = LLM(args.model, dtype=name, num_blocks=64 * max(batches), max_model_len=512)
+    llm = LLM(
+        args.model,
+        dtype=name,
+        quantization=args.quantization,
+        num_blocks=64 * max(batches),
+        max_model_len=512,
+    )
     if not isinstance(llm.engine.runner.ops, CpuKernelOps):
         print("\ndecode steps skipped: the model does not run on the CPU kernels")
         return
@@ -164,10 +178,18 @@ def _decode_rate(llm: Any, prompts: list[list[int]], params: Any) -> float:
 
 
 def _weight_bytes_per_step(model: Any) -> int:
-    """Bytes of weights a decode step reads: every parameter but an untied embedding
-    table (of which a step reads one row per token)."""
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    return sum(p.nbytes for p in model.parameters() if tied or p is not model.embed_tokens.weight)
+    """Bytes of weights a decode step reads, as they sit in memory (quantized blocks
+    included): every weight but an untied embedding table (of which a step reads one row
+    per token)."""
+    from pdserve.model.quant import QuantModule, quant_modules
+
+    def weight(module: Any) -> torch.Tensor:
+        return module.qweight if isinstance(module, QuantModule) else module.weight
+
+    embedding = weight(model.embed_tokens)
+    tied = weight(model.lm_head) is embedding
+    tensors = [*model.parameters(), *(m.qweight for m in quant_modules(model))]
+    return sum(t.nbytes for t in tensors if tied or t is not embedding)
 
 
 def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
@@ -187,12 +209,18 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     print(f"\nlinear: one decode step's weights ({nbytes / 1e6:.0f} MB), best of {args.repeat}")
     print(
         f"{'rows':>5}{'torch ms':>12}{'kernel ms':>12}{'speed-up':>10}{'kernel GB/s':>13}"
-        f"{'kernel GFLOP/s':>16}"
+        f"{'kernel GFLOP/s':>16}{'q4_1 ms':>10}{'vs kernel':>11}"
     )
     packed = None
     if kernels.amx:
         packed = [[arena.copy_of(kernels.pack_amx(w)) for w in ws] for ws in layers]
     head_packed = arena.copy_of(kernels.pack_amx(head)) if kernels.amx else None
+    # The same step on blocks, as the default model's file stores it: Q4_1 layers, Q8_0 head.
+    quantized = [[_quant_linear(arena, w, QuantType.Q4_1) for w in ws] for ws in layers] + [
+        [_quant_linear(arena, head, QuantType.Q8_0)]
+    ]
+    quant_bytes = sum(q.qweight.nbytes for qs in quantized for q in qs)
+    print(f"(q4_1 column: the same shapes in Q4_1, Q8_0 head: {quant_bytes / 1e6:.0f} MB)")
     for m in (*range(1, args.max_m + 1), 16, 32, 64, 128, 256, 512):
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in shapes}
 
@@ -219,11 +247,26 @@ def _linear_sweep(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
             name = "small-M" if route == "small" else "small-M; routed to MKL"
         else:
             continue
+
+        def step_quant(xs: dict[int, torch.Tensor] = xs) -> None:
+            for qs in quantized:
+                for q in qs:
+                    kernels.linear_quant(xs[q.in_features], q)
+
         base = best_of(lambda: step(F.linear), args.repeat)
         ours = best_of(ours_fn, args.repeat)
+        quant = best_of(step_quant, args.repeat)
         flops = 2 * m * nbytes // dtype.itemsize
         speed = f"{base / ours:>9.2f}x{nbytes / ours / 1e9:>13.1f}{flops / ours / 1e9:>16.0f}"
-        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}  {name}")
+        q = f"{quant * 1e3:>10.2f}{ours / quant:>10.2f}x"
+        print(f"{m:>5}{base * 1e3:>12.2f}{ours * 1e3:>12.2f}{speed}{q}  {name}")
+
+
+def _quant_linear(arena: Any, weight: torch.Tensor, qtype: QuantType) -> QuantLinear:
+    n, k = weight.shape
+    layer = QuantLinear(k, n, qtype, None)
+    layer.qweight = arena.copy_of(quantize(weight.float(), qtype))
+    return layer
 
 
 def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:

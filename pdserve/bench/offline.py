@@ -80,7 +80,11 @@ class Runner(Protocol):
 
 
 def pdserve_runner(
-    args: argparse.Namespace, planned: Workload, kernels: str = "auto", **engine_options: Any
+    args: argparse.Namespace,
+    planned: Workload,
+    kernels: str = "auto",
+    quantization: str | None = None,
+    **engine_options: Any,
 ) -> Runner:
     """pdserve in this process; `engine_options` go to `LLM` as they are (block_size=16:
     bench/block_size_probe.py). Each run leaves its timer and outputs on the runner."""
@@ -92,6 +96,7 @@ def pdserve_runner(
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         kernels=kernels,
+        quantization=quantization or args.quantization,
         kv_cache_memory_bytes=kv_cache_bytes(args, planned),
         # Off for pdserve and vLLM (run_vllm.py) alike: every --repeat sends the same
         # prompts again, and blocks cached by the previous repeat would skip most of the
@@ -120,7 +125,10 @@ def pdserve_runner(
         return seconds
 
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
+    if quantization is not None:
+        name += f"-{quantization}"
     run.name = name  # type: ignore[attr-defined]
+    run.quantization = llm.engine.loaded.quantization  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
 
@@ -135,6 +143,11 @@ def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
     tokens = workload.num_prompt_tokens + workload.num_output_tokens
     return max(1 << 30, int(1.25 * tokens * per_token))
+
+
+def pdserve_dense_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """pdserve with every weight dequantized at load: what keeping the blocks gains."""
+    return pdserve_runner(args, planned, quantization="none")
 
 
 def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
@@ -167,48 +180,42 @@ def hf_runner(args: argparse.Namespace, planned: Workload) -> Runner:
 _CHECKOUT = Path(__file__).resolve().parents[2]
 VLLM_VENV = _CHECKOUT / "bench" / ".venv-vllm"
 VLLM_SCRIPT = _CHECKOUT / "bench" / "vllm_cpu" / "run_vllm.py"
+LLAMACPP_VENV = _CHECKOUT / "bench" / ".venv-llamacpp"
+LLAMACPP_SCRIPT = _CHECKOUT / "bench" / "llamacpp" / "run_llamacpp.py"
+LLAMACPP_SETUP = _CHECKOUT / "bench" / "llamacpp" / "setup.sh"
 HF_EXPORT_CACHE = envs.cache_dir() / "hf"
 
 
-class VllmRunner:
-    """vLLM's CPU build in a subprocess (run_vllm.py in its own virtualenv): loaded once,
-    configured and sent each workload by JSON lines on its stdin; each answer carries the
-    seconds it measured. Its logs pass through on stderr. `close` ends it."""
+class SubprocessPeer:
+    """A peer system in a subprocess of its own virtualenv (a script under bench/): loaded
+    once, configured and sent each workload by JSON lines on its stdin; each answer carries
+    the seconds it measured and the tokens it produced. Its logs pass through on stderr.
+    `close` ends it."""
 
-    name = "vllm-cpu"
+    name = "peer"
 
-    def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
-        python = vllm_python()
-        config = {
-            "model_dir": str(hf_dir_for(args.model)),
-            "dtype": args.dtype,
-            "max_num_seqs": args.max_num_seqs,
-            "max_model_len": max(
-                len(p) + n for p, n in zip(planned.prompts, planned.output_lens, strict=True)
-            ),
-            "kv_cache_memory_bytes": kv_cache_bytes(args, planned),
-        }
+    def __init__(
+        self, python: Path, script: Path, config: dict[str, Any], env: dict[str, str] | None
+    ) -> None:
+        self._script = script
         self._proc = subprocess.Popen(
-            [str(python), str(VLLM_SCRIPT)],
+            [str(python), str(script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=vllm_env(args.vllm_threads_bind),
+            env=env,
         )
         self._send(config)
-        ready = self._answer()
-        openmp = "libiomp5" if "libiomp5" in ready.get("ld_preload", "") else "torch's OpenMP"
-        print(
-            f"vLLM {ready['vllm_version']} (CPU build): VLLM_CPU_OMP_THREADS_BIND="
-            f"{ready['threads_bind']}, {openmp}, loaded in {ready['load_s']:.1f} s"
-        )
+        self.ready = self._answer()
 
     def __call__(self, workload: Workload) -> float:
         self._send({"prompts": workload.prompts, "output_lens": workload.output_lens})
         answer = self._answer()
         produced = sum(len(t) for t in answer["token_ids"])
         if produced != workload.num_output_tokens:
-            raise RuntimeError(f"vLLM produced {produced} tokens, not {workload.num_output_tokens}")
+            raise RuntimeError(
+                f"{self.name} produced {produced} tokens, not {workload.num_output_tokens}"
+            )
         return float(answer["seconds"])
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -221,7 +228,7 @@ class VllmRunner:
         line = self._proc.stdout.readline()
         if not line:
             code = self._proc.wait()
-            raise SystemExit(f"--compare vllm: {VLLM_SCRIPT.name} exited ({code}), no answer")
+            raise SystemExit(f"--compare: {self._script.name} exited ({code}), no answer")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
@@ -233,6 +240,58 @@ class VllmRunner:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def max_model_len(planned: Workload) -> int:
+    return max(len(p) + n for p, n in zip(planned.prompts, planned.output_lens, strict=True))
+
+
+class VllmRunner(SubprocessPeer):
+    """vLLM's CPU build (bench/vllm_cpu/run_vllm.py in bench/.venv-vllm)."""
+
+    name = "vllm-cpu"
+
+    def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
+        config = {
+            "model_dir": str(hf_dir_for(args.model)),
+            "dtype": args.dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": max_model_len(planned),
+            "kv_cache_memory_bytes": kv_cache_bytes(args, planned),
+        }
+        super().__init__(vllm_python(), VLLM_SCRIPT, config, vllm_env(args.vllm_threads_bind))
+        ready = self.ready
+        openmp = "libiomp5" if "libiomp5" in ready.get("ld_preload", "") else "torch's OpenMP"
+        print(
+            f"vLLM {ready['vllm_version']} (CPU build): VLLM_CPU_OMP_THREADS_BIND="
+            f"{ready['threads_bind']}, {openmp}, loaded in {ready['load_s']:.1f} s"
+        )
+
+
+class LlamaCppRunner(SubprocessPeer):
+    """llama.cpp on the same GGUF file (bench/llamacpp/run_llamacpp.py in
+    bench/.venv-llamacpp): the Python binding, one request at a time."""
+
+    name = "llama.cpp"
+
+    def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
+        from pdserve.model.loader import resolve_model_path
+
+        path = resolve_model_path(args.model)
+        if path.suffix != ".gguf":
+            raise SystemExit("--compare llamacpp needs a GGUF model (--model default is one)")
+        python = LLAMACPP_VENV / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"--compare llamacpp: {python} not found: run {LLAMACPP_SETUP}")
+        threads = args.threads or torch.get_num_threads()
+        config = {"model_path": str(path), "n_threads": threads, "n_ctx": max_model_len(planned)}
+        super().__init__(python, LLAMACPP_SCRIPT, config, None)
+        if len(planned.prompts) > 1:
+            self.name = "llama.cpp-serial"
+        print(
+            f"llama-cpp-python {self.ready['version']} ({threads} threads; requests one at a "
+            f"time), loaded in {self.ready['load_s']:.1f} s: {self.ready['system_info']}"
+        )
 
 
 def vllm_python() -> Path:
@@ -285,7 +344,9 @@ PeerFactory = Callable[[argparse.Namespace, Workload], Runner]
 PEERS: dict[str, PeerFactory] = {
     "hf": hf_runner,
     "torch": pdserve_torch_runner,
+    "dense": pdserve_dense_runner,
     "vllm": VllmRunner,
+    "llamacpp": LlamaCppRunner,
 }
 
 
@@ -362,6 +423,9 @@ def _alternating_runs(
             f"{1e3 * timer.schedule_s / n:.2f} ms, model {1e3 * timer.model_s / n:.1f} ms, "
             f"outputs {1e3 * timer.output_s / n:.2f} ms"
         )
+    for runner in runners:
+        if hasattr(runner, "quantization"):
+            print(f"{runner.name} weights: {runner.quantization}")
     return seconds
 
 

@@ -78,6 +78,8 @@ class ComputeInfo:
     """The backend that runs the hot operations, with its CPU level (`cpu-kernels (avx2)`)."""
     cpu_level: str | None
     """The CPU level in use and where it came from; None on a GPU."""
+    quantization: str = "none"
+    """How the weights are kept, and their bytes in memory (loader.plan_quantization)."""
 
 
 @dataclass(frozen=True)

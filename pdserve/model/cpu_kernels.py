@@ -42,6 +42,7 @@ import torch
 from pdserve import envs
 from pdserve.model import cpu_isa
 from pdserve.model.cpu_isa import CpuIsa
+from pdserve.model.quant import QuantLinear, QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ _SIGNATURES = {
     "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F],
     "pd_amx_init": [],
     "pd_amx_available": [],
+    "pd_linear_quant": [_P, _P, _I, _P, _P, _I, _I, _I],
+    "pd_dequantize": [_P, _I, _P, _I, _I],
 }
 _RETURNS_INT = (
     "pd_decode_attention",
@@ -103,15 +106,21 @@ _RETURNS_INT = (
     "pd_amx_init",
     "pd_amx_available",
     "pd_decode_layers",
+    "pd_linear_quant",
+    "pd_dequantize",
 )
 
 
 class PdLayer(ctypes.Structure):
     """One decoder layer's weights and KV cache for `pd_decode_layers` (raw pointers)."""
 
-    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
-                                         "gate_up", "down", "kv", "qkv_amx", "o_amx",
-                                         "gate_up_amx", "down_amx")]  # fmt: skip
+    _fields_ = [
+        *((name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm")),
+        *((name, _P) for name in ("gate_up", "down", "kv")),
+        *((name, _P) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")),
+        # The four weights' formats: 0 dense, else a quant.QuantType (blocks in qkv, ...).
+        *((name, _I) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")),
+    ]
 
 
 _SIGNATURES["pd_decode_layers"] = [
@@ -285,6 +294,26 @@ class CpuKernels:
         self._lib.pd_linear_small(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
                                   m, n, k)  # fmt: skip
         return y
+
+    def linear_quant(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+        """x [M, K] times a weight kept in blocks (+ bias) -> [M, N] in x's dtype: the
+        product with the dequantized weight (quant_linear.h)."""
+        m, k = x.shape
+        y = torch.empty((m, layer.out_features), dtype=x.dtype)
+        x = x.contiguous()
+        args = (layer.qweight.data_ptr(), int(layer.qtype), _ptr(layer.bias), y.data_ptr())
+        if self._lib.pd_linear_quant(x.data_ptr(), *args, m, layer.out_features, k) != 0:
+            raise ValueError(f"no kernel for {layer.qtype.label} weights")
+        return y
+
+    def dequantize(self, data: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+        """uint8 [N, row_bytes] of `qtype` blocks -> [N, k] in the library's dtype."""
+        data = data.contiguous()
+        n = data.shape[0]
+        out = torch.empty((n, k), dtype=self.dtype)
+        if self._lib.pd_dequantize(data.data_ptr(), int(qtype), out.data_ptr(), n, k) != 0:
+            raise ValueError(f"no kernel for {qtype.label} weights")
+        return out
 
     @staticmethod
     def pack_amx(weight: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch
+from pdserve.model.quant import QuantizedTensor, QuantType
 
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 
@@ -201,20 +202,37 @@ class GGUFModelFile:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_fields(self.fields)
 
-    def weights(self, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
+    def tensor_types(self) -> dict[str, str]:
+        """Hugging Face name -> the file's type name for it (`F32`, `Q4_1`, ...)."""
+        return {_hf_name(t.name) or t.name: t.tensor_type.name for t in self._tensors}
+
+    def weights(
+        self, arch: ModelArch, keep: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Yield (Hugging Face name, tensor) for every tensor in the file: float32, or the
+        file's blocks as they are (a `QuantizedTensor`) for the names in `keep` whose type
+        has kernels (quant.QuantType)."""
         permute = self.fields.get("general.architecture") == "llama"
         for t in self._tensors:
             name = _hf_name(t.name)
             if name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path}")
+            shape = tuple(int(d) for d in reversed(t.shape))
+            tensor: torch.Tensor | QuantizedTensor
+            if name in keep and t.tensor_type.name in QuantType.__members__:
+                blocks = torch.from_numpy(np.array(t.data, copy=True))
+                if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = arch.num_heads if "q_proj" in name else arch.num_kv_heads
+                    blocks = _unpermute(blocks, heads)  # whole rows: blocks run along K
+                qtype = QuantType[t.tensor_type.name]
+                yield name, QuantizedTensor(blocks, qtype, (shape[0], shape[1]))
+                continue
             try:
                 array = self._gguf.quants.dequantize(t.data, t.tensor_type)
             except Exception as e:
                 raise ModelLoadError(
                     f"cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
                 ) from e
-            shape = tuple(int(d) for d in reversed(t.shape))
             tensor = torch.from_numpy(np.array(array, copy=True).reshape(shape))
             if permute and name.endswith("q_proj.weight"):
                 tensor = _unpermute(tensor, arch.num_heads)

@@ -96,9 +96,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def move_parameters(module: nn.Module) -> None:
-    """Copy every CPU parameter of `module` into one huge-page arena, in place (tied
-    parameters stay tied: each Parameter object moves once)."""
-    params = [p for p in module.parameters() if p.device.type == "cpu"]
+    """Copy every CPU parameter and buffer of `module` (quantized weights are buffers) into
+    one huge-page arena, in place (tied ones stay tied: each tensor object moves once)."""
+    params = [p for p in (*module.parameters(), *module.buffers()) if p.device.type == "cpu"]
     if not params:
         return
     arena = Arena(chunk_bytes=sum(_round_up(p.nbytes, ALIGN) for p in params))

@@ -17,6 +17,7 @@ from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.ops import TORCH_OPS, TorchOps
+from pdserve.model.quant import QuantEmbedding, QuantLinear, QuantModule, QuantType
 
 
 class RMSNorm(nn.Module):
@@ -158,11 +159,40 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = Rotary(arch, max_positions)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.quantized = False
+        """Whether the layers' linears hold their weights in blocks (`keep_quantized`)."""
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
+        if not self.arch.tie_word_embeddings:
+            return
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            self.lm_head.qweight = self.embed_tokens.qweight
+        else:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def keep_quantized(self, plan: dict[str, QuantType]) -> None:
+        """Replace the linears and the embedding named in `plan` (module name -> format)
+        by ones that hold their weight in that format's blocks. Before the weights are
+        allocated (on the meta device), so no dense copy ever exists."""
+        for name, qtype in plan.items():
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            old = getattr(parent, attr)
+            new: nn.Module
+            if isinstance(old, nn.Embedding):
+                new = QuantEmbedding(old.num_embeddings, old.embedding_dim, qtype)
+            else:
+                new = QuantLinear(old.in_features, old.out_features, qtype, old.bias)
+            setattr(parent, attr, new)
+        self.quantized = any(isinstance(m, QuantLinear) for m in self.layers.modules())
+        self.tie_weights()
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """The activations' dtype, which quantized modules dequantize to."""
+        for module in self.modules():
+            if isinstance(module, QuantModule):
+                module.compute_dtype = dtype
 
     @torch.inference_mode()
     def forward(
@@ -177,7 +207,7 @@ class LlamaModel(nn.Module):
         """Run one step; return logits for the tokens at `logits_indices` only, in the
         model's dtype (the LM head's output as computed: the sampler widens to float32
         only what it computes with)."""
-        x = self.embed_tokens(input_ids)
+        x = ops.embed(self.embed_tokens, input_ids)
         rope = ops.rope(self.rotary, positions, x.dtype)
         delta = ops.run_layers(self, x, rope, kv_cache, meta)
         x = x[logits_indices]

@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -23,6 +25,17 @@ from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model import cpu_isa, huge_pages
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import LlamaModel
+from pdserve.model.quant import (
+    BLOCK,
+    QuantizedTensor,
+    QuantModule,
+    QuantType,
+    check_scales,
+    convert,
+    dequantize,
+    quant_modules,
+    quantize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +53,8 @@ class LoadedModel:
     max_model_len: int
     dtype_reason: str = "asked"
     """Why this dtype (`choose_dtype`): shown in /v1/models and /admin/kv."""
+    quantization: str = "none"
+    """How the weights are kept (`plan_quantization`), with their bytes in memory."""
 
 
 def default_model_path() -> Path:
@@ -112,10 +127,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if expected is not None and path.is_dir() != expected:
         kind = "a Hugging Face directory" if expected else "a .gguf file"
         raise ModelLoadError(f"load_format {cfg.load_format} needs {kind}, got {path}")
-    weights: Iterator[tuple[str, torch.Tensor]] | None
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]] | None
     if path.is_dir():
         arch = ModelArch.from_hf_config(_read_config(path))
         tokenizer = _optional_hf_tokenizer(path, arch)
+        plan, how = plan_quantization(cfg, arch, dtype, device, None)
         weights = _safetensors_weights(path) if cfg.load_format != "dummy" else None
         num_tensors = None
     else:
@@ -124,21 +140,106 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         gguf_file = open_gguf(path)
         arch = gguf_file.arch()
         tokenizer = gguf_file.tokenizer()
-        weights = gguf_file.weights(arch) if cfg.load_format != "dummy" else None
+        plan, how = plan_quantization(cfg, arch, dtype, device, gguf_file.tensor_types())
+        keep = frozenset(n for m in plan for n in source_names(m))
+        weights = gguf_file.weights(arch, keep) if cfg.load_format != "dummy" else None
         num_tensors = gguf_file.num_tensors
     max_len = cfg.max_model_len or arch.max_position_embeddings
-    model = build_model(arch, max_len, dtype, device, weights, num_tensors, seed=cfg.seed)
+    model = build_model(
+        arch, max_len, dtype, device, weights, num_tensors, seed=cfg.seed, quantize=plan
+    )
     if device.type == "cpu":
         huge_pages.move_parameters(model)  # decode streams them every step
+    dense = sum(p.nbytes for p in model.parameters())
+    blocks = quant_modules(model)
+    in_memory = dense + sum(m.qweight.nbytes for m in blocks)
+    as_dense = dense + sum(math.prod(m.dense_shape) for m in blocks) * dtype.itemsize
+    quantization = (
+        f"{how}; weights {in_memory / 1e6:.0f} MB in memory "
+        f"({as_dense / 1e6:.0f} MB as {str(dtype).removeprefix('torch.')})"
+    )
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s",
+        "loaded %s (%s, %d layers) as %s on %s; quantization %s",
         path.name,
         arch.architecture,
         arch.num_layers,
         dtype,
         device,
+        quantization,
     )
-    return LoadedModel(model, arch, tokenizer, dtype, device, max_len, dtype_reason)
+    return LoadedModel(model, arch, tokenizer, dtype, device, max_len, dtype_reason, quantization)
+
+
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def source_names(module: str) -> list[str]:
+    """The checkpoint's (Hugging Face) tensor names that fill a module's weight."""
+    prefix, _, leaf = module.rpartition(".")
+    parts = _FUSED_PARTS.get(leaf, (leaf,))
+    stem = f"model.{prefix}." if prefix else ("model." if leaf != "lm_head" else "")
+    return [f"{stem}{part}.weight" for part in parts]
+
+
+def plan_quantization(
+    cfg: ModelConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    tensor_types: dict[str, str] | None,
+) -> tuple[dict[str, QuantType], str]:
+    """Which modules keep their weights in blocks, in which format (module name -> type),
+    and a line saying so. `tensor_types`: a GGUF file's type per tensor (None: a dense
+    checkpoint)."""
+    asked = cfg.quantization
+    if asked == "none":
+        return {}, "none (asked)"
+    from pdserve.model import cpu_kernels
+    from pdserve.model.ops import cpu_kernels_for
+
+    kernels = cpu_kernels_for(cfg.kernels, device, dtype, arch)
+    inner = (arch.hidden_size, arch.num_heads * arch.head_dim, arch.intermediate_size)
+    why_not = None
+    if kernels is None:
+        why_not = (
+            f"the CPU kernels do not run here ({cpu_kernels.unavailable_reason(dtype)})"
+            if cfg.kernels == "auto" and device.type == "cpu"
+            else f"the CPU kernels do not run on {device} with kernels={cfg.kernels}"
+        )
+    elif any(k % BLOCK for k in inner):
+        why_not = f"the model's inner sizes {inner} are not multiples of {BLOCK}"
+    elif asked == "auto" and dtype != torch.float32:
+        # bf16 kernels on dense bf16 weights are as fast from 8 rows up, and the blocks'
+        # float products would add a second rounding path beside bf16's (docs/benchmarks.md).
+        why_not = f"{str(dtype).removeprefix('torch.')} computes on dense weights"
+    if why_not is not None:
+        if asked != "auto":
+            raise ConfigError(f"quantization {asked} computes on the CPU kernels, but {why_not}")
+        return {}, f"none (auto: {why_not}; weights dequantized at load)"
+    linears = [f"layers.{i}.{name}" for i in range(arch.num_layers) for name in _LINEARS]
+    tables = ["embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
+    plan: dict[str, QuantType] = {}
+    if asked != "auto":
+        plan = {m: QuantType.parse(asked) for m in linears} | {m: QuantType.Q8_0 for m in tables}
+    elif tensor_types is not None:
+        for module in linears + tables:
+            types = {tensor_types.get(name) for name in source_names(module)}
+            kind = types.pop() if len(types) == 1 else None
+            if kind is not None and kind in QuantType.__members__:
+                plan[module] = QuantType[kind]
+    if arch.tie_word_embeddings and "embed_tokens" in plan:
+        plan["lm_head"] = plan["embed_tokens"]
+    if not plan:
+        return {}, "none (auto: the checkpoint has no Q8_0/Q4_0/Q4_1 tensors)"
+    counts: dict[str, int] = {}
+    for qtype in plan.values():
+        counts[qtype.label] = counts.get(qtype.label, 0) + 1
+    summary = ", ".join(f"{label} x{n}" for label, n in sorted(counts.items()))
+    return plan, f"{asked}: {summary} modules kept in blocks"
 
 
 def resolve_model_path(model: str) -> Path:
@@ -167,14 +268,18 @@ def build_model(
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
-    weights: Iterator[tuple[str, torch.Tensor]] | None,
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]] | None,
     num_tensors: int | None = None,
     seed: int = 0,
+    quantize: dict[str, QuantType] | None = None,
 ) -> LlamaModel:
-    """Allocate the model on `device` and fill it from `weights` (None: random weights)."""
+    """Allocate the model on `device` and fill it from `weights` (None: random weights);
+    the modules in `quantize` hold their weights in that format's blocks."""
     with torch.device("meta"):
         model = LlamaModel(arch, max_model_len)
+        model.keep_quantized(quantize or {})
     model = model.to_empty(device=device).to(dtype)
+    model.set_compute_dtype(dtype)
     model.rotary.compute_tables()  # after the cast: the tables stay float32
     model.tie_weights()  # to_empty() gave the tied lm_head its own (uninitialized) storage
     if weights is None:
@@ -185,10 +290,16 @@ def build_model(
 
 
 def _load_weights(
-    model: LlamaModel, arch: ModelArch, weights: Iterator[tuple[str, torch.Tensor]]
+    model: LlamaModel,
+    arch: ModelArch,
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]],
 ) -> None:
-    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up; a
+    quantized module's weight goes into its blocks (converted if in another format)."""
+    params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, QuantModule):
+            params[f"{module_name}.weight"] = module
     q, kv, inter = (
         arch.num_heads * arch.head_dim,
         arch.num_kv_heads * arch.head_dim,
@@ -218,13 +329,26 @@ def _load_weights(
         param = params.get(name)
         if param is None:
             raise ModelLoadError(f"unexpected weight {hf_name!r}")
-        target = param.data[target_slice]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        shape = tensor.shape if isinstance(tensor, QuantizedTensor) else tuple(tensor.shape)
+        if isinstance(param, QuantModule):
+            target = param.qweight[target_slice]
+            if (target.shape[0], param.cols) != tuple(shape):
+                raise ModelLoadError(
+                    f"weight {hf_name!r} has shape {tuple(shape)}, "
+                    f"expected {(target.shape[0], param.cols)}"
+                )
+            blocks = convert(tensor, param.qtype)
+            check_scales(blocks, param.qtype, hf_name)
+            target.copy_(blocks)
+        else:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = dequantize(tensor.data, tensor.qtype, tensor.shape[1])
+            target = param.data[target_slice]
+            if tuple(target.shape) != tuple(shape):
+                raise ModelLoadError(
+                    f"weight {hf_name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
         loaded.setdefault(name, set()).add(target_slice.start or 0)
     missing = sorted(
         n for n in expected if len(loaded.get(n, ())) < parts_of.get(n.split(".")[-2], 1)
@@ -242,6 +366,9 @@ def _init_dummy(model: LlamaModel, seed: int) -> None:
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
+    for module in quant_modules(model):
+        dense = torch.empty(module.dense_shape, device=device).normal_(0.0, 0.02, generator=gen)
+        module.qweight.copy_(quantize(dense, module.qtype))
 
 
 def _read_config(path: Path) -> dict:

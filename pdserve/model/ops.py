@@ -37,6 +37,7 @@ from pdserve.model.attention import (
     prefill_attention,
     write_kv,
 )
+from pdserve.model.quant import QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class TorchOps:
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return table(ids)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
         """x += delta in place (when given), then RMSNorm(x)."""
@@ -185,9 +189,10 @@ class CpuKernelOps(TorchOps):
         fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
         prefill chunk in the step, more rows) runs per op."""
         t = x.shape[0]
-        amx = t > self.k.small_m
+        amx = t > self.k.small_m and not model.quantized
+        limit = QUANT_MAX_M if model.quantized else self.k.max_one_call_m
         table = None
-        if self.one_call and not meta.prefills and t <= self.k.max_one_call_m:
+        if self.one_call and not meta.prefills and t <= limit:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)
@@ -213,12 +218,22 @@ class CpuKernelOps(TorchOps):
         return self._layer_tables[key]
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if isinstance(layer, QuantLinear):
+            if x.shape[0] <= QUANT_MAX_M:
+                return self.k.linear_quant(x, layer)
+            dense = self.k.dequantize(layer.qweight, layer.qtype, layer.in_features)
+            return F.linear(x, dense, layer.bias)
         route = self.k.route(x, layer.weight)
         if route == "small":
             return self.k.linear(x, layer.weight, layer.bias)
         if route == "amx":
             return self.k.linear_amx(x, _amx_weight(self.k, layer), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(table, QuantEmbedding):
+            return self.k.dequantize(table.qweight[ids], table.qtype, table.embedding_dim)
+        return table(ids)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
         return self.k.add_rms_norm(x, delta, norm.weight, norm.eps)
@@ -282,20 +297,29 @@ def _layer_table(
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        dense = [lin for lin in linears if not isinstance(lin, QuantLinear)]
         if any(lin.bias is not None for lin in linears[1:]) or any(
             lin.weight.shape[1] % kernels.k_multiple or (amx and lin.weight.shape[0] % 16)
-            for lin in linears
+            for lin in dense
         ):
             return None
+        weights = [_weight_ptr(lin) for lin in linears]
         packed = [_amx_weight(kernels, lin).data_ptr() if amx else None for lin in linears]
+        types = [int(lin.qtype) if isinstance(lin, QuantLinear) else 0 for lin in linears]
         layers.append(cpu_kernels.PdLayer(
-            layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
+            layer.input_layernorm.weight.data_ptr(), weights[0],
             None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr(),
-            attn.o_proj.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
-            kv_cache[:, i].data_ptr(), *packed,
+            weights[1], layer.post_attention_layernorm.weight.data_ptr(), weights[2], weights[3],
+            kv_cache[:, i].data_ptr(), *packed, *types,
         ))  # fmt: skip
     return (cpu_kernels.PdLayer * len(layers))(*layers)
+
+
+def _weight_ptr(layer: nn.Linear | QuantLinear) -> int:
+    """The weight the kernels read: the blocks of a quantized linear."""
+    if isinstance(layer, QuantLinear):
+        return layer.qweight.data_ptr()
+    return layer.weight.data_ptr()
 
 
 def _amx_weight(kernels: cpu_kernels.CpuKernels, layer: nn.Linear) -> torch.Tensor:
@@ -309,6 +333,10 @@ def _amx_weight(kernels: cpu_kernels.CpuKernels, layer: nn.Linear) -> torch.Tens
 
 _PACKED = huge_pages.Arena()
 """AMX-packed weights, streamed every step like the weights themselves."""
+
+QUANT_MAX_M = 128
+"""Most rows a linear on quantized weights computes from the blocks; larger ones (prefill)
+dequantize the layer and run oneDNN/MKL. [measured in docs/benchmarks.md]"""
 
 TORCH_OPS = TorchOps()
 
@@ -325,12 +353,20 @@ def select_ops(choice: str, device: torch.device, dtype: torch.dtype, arch: Any)
         if device.type != "cuda" or not triton_available():
             raise ConfigError("kernels='triton' needs a CUDA device and the triton package")
         return TritonOps()
-    if choice == "torch" or device.type != "cpu":
-        return TORCH_OPS
+    kernels = cpu_kernels_for(choice, device, dtype, arch)
+    return TORCH_OPS if kernels is None else CpuKernelOps(kernels)
+
+
+def cpu_kernels_for(
+    choice: str, device: torch.device, dtype: torch.dtype, arch: Any
+) -> cpu_kernels.CpuKernels | None:
+    """The CPU kernels `select_ops` runs the model on, or None (PyTorch ops): what the
+    loader asks before keeping weights quantized."""
+    if choice != "auto" or device.type != "cpu":
+        return None
     dims = (arch.head_dim, arch.hidden_size, arch.intermediate_size)
     shapes_fit = dims[0] in cpu_kernels.HEAD_SIZES and dims[1] % 16 == 0 and dims[2] % 16 == 0
     if not shapes_fit:
         logger.info("fused CPU kernels skipped: head size or hidden sizes do not fit them")
-        return TORCH_OPS
-    kernels = cpu_kernels.load(dtype)
-    return TORCH_OPS if kernels is None else CpuKernelOps(kernels)
+        return None
+    return cpu_kernels.load(dtype)

@@ -81,6 +81,7 @@ class ModelRunner:
             device=str(loaded.device),
             ops=self.ops.label,
             cpu_level=cpu_isa.describe() if loaded.device.type == "cpu" else None,
+            quantization=loaded.quantization,
         )
         self.device = loaded.device
         self.block_size = block_size

@@ -262,7 +262,8 @@ def variant_llm(request: pytest.FixtureRequest) -> Any:
     with cpu_level(isa.label):
         # A small token budget splits prompts into chunks that run beside other decodes.
         llm = LLM("default", dtype=str(dtype).removeprefix("torch."), num_blocks=256,
-                  max_model_len=1024, max_num_batched_tokens=48)  # fmt: skip
+                  max_model_len=1024, max_num_batched_tokens=48,
+                  quantization="none")  # fmt: skip
     ops = llm.engine.runner.ops
     assert isinstance(ops, CpuKernelOps) and ops.k.isa == isa and ops.k.dtype == dtype
     return llm

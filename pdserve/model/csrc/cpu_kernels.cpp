@@ -26,6 +26,7 @@
 
 #define PD_VEC_AVX512  // the float math (exp, transposed sums) of vec_x86.h, on 16 lanes
 #include "paged_decode.h"
+#include "quant_linear.h"
 #include "vec_x86.h"
 
 typedef uint16_t bf16;
@@ -122,6 +123,50 @@ inline void linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
     linear_tile<MT, false>(x, w, bias, y, N, K, n0);  // rows already in L1
 }
 
+// Every row of x against the kRows weight rows at wg (rows n0.. of y); `prefetch`: the
+// first tile prefetches the next group's rows.
+inline void linear_group(const bf16* x, const bf16* wg, const bf16* bias, bf16* y, int64_t M,
+                         int64_t N, int64_t K, int64_t n0, bool prefetch) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    linear_rows<4>(x + m * K, wg, bias, y + m * N, N, K, n0, prefetch && m == 0);
+  switch (M - m) {
+    case 1: linear_rows<1>(x + m * K, wg, bias, y + m * N, N, K, n0, prefetch && m == 0); break;
+    case 2: linear_rows<2>(x + m * K, wg, bias, y + m * N, N, K, n0, prefetch && m == 0); break;
+    case 3: linear_rows<3>(x + m * K, wg, bias, y + m * N, N, K, n0, prefetch && m == 0); break;
+    default: break;
+  }
+}
+
+// One weight row (row n of y) against every row of x.
+inline void linear_row(const bf16* x, const bf16* wn, const bf16* bias, bf16* y, int64_t M,
+                       int64_t N, int64_t K, int64_t n) {
+  for (int64_t m = 0; m < M; m++) {
+    float s = dot_row(x + m * K, wn, K);
+    if (bias) s += to_f32(bias[n]);
+    y[m * N + n] = to_bf16(s);
+  }
+}
+
+// Weights in a GGUF block format (quant_linear.h): up to quant::kFusedMaxM rows of x widen
+// each block in registers; more rows dequantize groups of weight rows and multiply them
+// by the dense linear above.
+int linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
+                 int64_t M, int64_t N, int64_t K) {
+  if (!quant::block_bytes(type)) return -1;
+  if (M <= quant::kFusedMaxM) {
+    quant::linear_fused(x, w, type, bias, y, M, N, K);
+    return 0;
+  }
+  quant::linear_dequantized<bf16, kRows>(w, type, N, K, [&](const bf16* wg, int64_t n0, int64_t rows) {
+    if (rows == kRows)
+      linear_group(x, wg, bias, y, M, N, K, n0, false);
+    else
+      for (int64_t r = 0; r < rows; r++) linear_row(x, wg + r * K, bias, y, M, N, K, n0 + r);
+  });
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -130,24 +175,10 @@ void pd_linear_small(const bf16* x, const bf16* w, const bf16* bias, bf16* y, in
                      int64_t N, int64_t K) {
   const int64_t groups = N / kRows;
 #pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t n0 = g * kRows;
-    const bf16* wg = w + n0 * K;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) linear_rows<4>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0);
-    switch (M - m) {
-      case 1: linear_rows<1>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
-      case 2: linear_rows<2>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
-      case 3: linear_rows<3>(x + m * K, wg, bias, y + m * N, N, K, n0, m == 0); break;
-      default: break;
-    }
-  }
+  for (int64_t g = 0; g < groups; g++)
+    linear_group(x, w + g * kRows * K, bias, y, M, N, K, g * kRows, true);
   for (int64_t n = groups * kRows; n < N; n++)  // rows left over when N % kRows != 0
-    for (int64_t m = 0; m < M; m++) {
-      float s = dot_row(x + m * K, w + n * K, K);
-      if (bias) s += to_f32(bias[n]);
-      y[m * N + n] = to_bf16(s);
-    }
+    linear_row(x, w + n * K, bias, y, M, N, K, n);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -406,12 +437,24 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t
 void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t M,
                    int64_t N, int64_t K);
 
-static void step_linear(const bf16* x, const bf16* w, const bf16* packed, const bf16* bias,
-                        bf16* y, int64_t M, int64_t N, int64_t K) {
-  if (packed)
+static void step_linear(const bf16* x, const void* w, const bf16* packed, int64_t type,
+                        const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K) {
+  if (type)
+    linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
+  else if (packed)
     pd_linear_amx(x, packed, bias, y, M, N, K);
   else
-    pd_linear_small(x, w, bias, y, M, N, K);
+    pd_linear_small(x, static_cast<const bf16*>(w), bias, y, M, N, K);
+}
+
+// Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
+int pd_linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
+                    int64_t M, int64_t N, int64_t K) {
+  return linear_quant(x, w, type, bias, y, M, N, K);
+}
+
+int pd_dequantize(const uint8_t* w, int64_t type, bf16* out, int64_t N, int64_t K) {
+  return quant::dequantize(w, type, out, N, K);
 }
 
 int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers, bf16* x,

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "paged_decode.h"
+#include "quant_linear.h"
 #include "vec_x86.h"
 
 using vec::F;
@@ -65,12 +66,11 @@ inline void linear_tile(const float* x, const float* w, const float* bias, float
       y[m * N + n0 + r] = vec::reduce_add(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
 }
 
-// Every row of x against weight rows n0..n0+R-1.
+// Every row of x against the R weight rows at wg, which are rows n0..n0+R-1 of y.
 template <int R>
-inline void linear_group(const float* x, const float* w, const float* bias, float* y,
+inline void linear_group(const float* x, const float* wg, const float* bias, float* y,
                          int64_t M, int64_t N, int64_t K, int64_t n0, bool prefetch) {
   constexpr int MT = vec::kTileRows;
-  const float* wg = w + n0 * K;
   int64_t m = 0;
   if (M >= MT) {  // the first tile brings the group in from memory
     if (prefetch)
@@ -102,9 +102,9 @@ void linear_groups(const float* x, const float* w, const float* bias, float* y, 
   const int64_t groups = N / R;
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; g++)
-    linear_group<R>(x, w, bias, y, M, N, K, g * R, g + 1 < groups);
+    linear_group<R>(x, w + g * R * K, bias, y, M, N, K, g * R, g + 1 < groups);
   for (int64_t n = groups * R; n < N; n++)  // rows left over when N % R != 0
-    linear_group<1>(x, w, bias, y, M, N, K, n, false);
+    linear_group<1>(x, w + n * K, bias, y, M, N, K, n, false);
 }
 
 // One row of x (batch-1 decode) is bound by how fast the weights stream in, not by the
@@ -133,6 +133,25 @@ void linear_m1(const float* x, const float* w, const float* bias, float* y, int6
   }
 }
 
+// Weights in a GGUF block format (quant_linear.h): up to quant::kFusedMaxM rows of x widen
+// each block in registers; more rows dequantize groups of weight rows and multiply them
+// by the dense linear above.
+int linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K) {
+  if (!quant::block_bytes(type)) return -1;
+  if (M <= quant::kFusedMaxM) {
+    quant::linear_fused(x, w, type, bias, y, M, N, K);
+    return 0;
+  }
+  quant::linear_dequantized<float, kR>(w, type, N, K, [&](const float* wg, int64_t n0, int64_t rows) {
+    if (rows == kR)
+      linear_group<kR>(x, wg, bias, y, M, N, K, n0, false);
+    else
+      for (int64_t r = 0; r < rows; r++) linear_group<1>(x, wg + r * K, bias, y, M, N, K, n0 + r, false);
+  });
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -143,6 +162,16 @@ void pd_linear_small(const float* x, const float* w, const float* bias, float* y
     linear_m1(x, w, bias, y, N, K);
   else
     linear_groups<kR>(x, w, bias, y, M, N, K);
+}
+
+// Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
+int pd_linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias,
+                    float* y, int64_t M, int64_t N, int64_t K) {
+  return linear_quant(x, w, type, bias, y, M, N, K);
+}
+
+int pd_dequantize(const uint8_t* w, int64_t type, float* out, int64_t N, int64_t K) {
+  return quant::dequantize(w, type, out, N, K);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -372,9 +401,12 @@ int pd_decode_attention(const float* q, int64_t q_stride, const float* kv, int64
 
 // Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
 // pointers stay null here.
-static void step_linear(const float* x, const float* w, const float*, const float* bias,
-                        float* y, int64_t M, int64_t N, int64_t K) {
-  pd_linear_small(x, w, bias, y, M, N, K);
+static void step_linear(const float* x, const void* w, const float*, int64_t type,
+                        const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  if (type)
+    linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
+  else
+    pd_linear_small(x, static_cast<const float*>(w), bias, y, M, N, K);
 }
 
 int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,

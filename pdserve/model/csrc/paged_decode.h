@@ -98,12 +98,12 @@ void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
 template <typename T>
 struct DecodeLayer {  // the layout of cpu_kernels.py's PdLayer
   const T* input_norm;
-  const T* qkv;
+  const void* qkv;  // the four weights: T, or blocks of the format in `types`
   const T* qkv_bias;  // may be null
-  const T* o;
+  const void* o;
   const T* post_norm;
-  const T* gate_up;
-  const T* down;
+  const void* gate_up;
+  const void* down;
   T* kv;  // this layer's cache, addressed with the strides below
   // The four weights packed for a library's own linear (the bf16 one's AMX tiles), or
   // all null: the caller picks the table by the step's rows.
@@ -111,6 +111,8 @@ struct DecodeLayer {  // the layout of cpu_kernels.py's PdLayer
   const T* o_packed;
   const T* gate_up_packed;
   const T* down_packed;
+  // The four weights' formats: 0 = dense T, else a quant::Type (quant_linear.h).
+  int64_t qkv_type, o_type, gate_up_type, down_type;
 };
 
 // One library's kernels, as the layer loop calls them (its extern "C" entry points).
@@ -118,8 +120,9 @@ template <typename T>
 struct StepKernels {
   void (*add_rms_norm)(T* x, const T* delta, const T* weight, T* out, int64_t rows,
                        int64_t hidden, float eps);
-  void (*linear)(const T* x, const T* w, const T* packed, const T* bias, T* y, int64_t M,
-                 int64_t N, int64_t K);
+  // y = x w^T (+ bias) for w dense (type 0, or `packed`) or in a quant::Type.
+  void (*linear)(const T* x, const void* w, const T* packed, int64_t type, const T* bias,
+                 T* y, int64_t M, int64_t N, int64_t K);
   void (*rotary_write_kv)(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
                           const float* cos, const float* sin, const int64_t* positions, T* kv,
                           int64_t s_block, int64_t s_kv, int64_t s_tok,
@@ -146,17 +149,19 @@ int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t
   for (int64_t l = 0; l < num_layers; l++) {
     const DecodeLayer<T>& w = layers[l];
     k.add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), rows, hidden, eps);
-    k.linear(h.data(), w.qkv, w.qkv_packed, w.qkv_bias, qkv.data(), rows, width, hidden);
+    k.linear(h.data(), w.qkv, w.qkv_packed, w.qkv_type, w.qkv_bias, qkv.data(), rows, width,
+             hidden);
     k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
                       s_tok, slot_blocks, slot_offsets);
     k.decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
                        max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale);
-    k.linear(attn.data(), w.o, w.o_packed, nullptr, o.data(), rows, hidden, H * D);
+    k.linear(attn.data(), w.o, w.o_packed, w.o_type, nullptr, o.data(), rows, hidden, H * D);
     k.add_rms_norm(x, o.data(), w.post_norm, h.data(), rows, hidden, eps);
-    k.linear(h.data(), w.gate_up, w.gate_up_packed, nullptr, gu.data(), rows, 2 * inter,
-             hidden);
+    k.linear(h.data(), w.gate_up, w.gate_up_packed, w.gate_up_type, nullptr, gu.data(), rows,
+             2 * inter, hidden);
     k.silu_mul(gu.data(), act.data(), rows, inter);
-    k.linear(act.data(), w.down, w.down_packed, nullptr, delta_out, rows, hidden, inter);
+    k.linear(act.data(), w.down, w.down_packed, w.down_type, nullptr, delta_out, rows, hidden,
+             inter);
   }
   return 0;
 }

@@ -1,0 +1,193 @@
+"""Weights kept in GGUF's block formats (Q8_0, Q4_0, Q4_1): the formats, a PyTorch
+reference for them, and the modules that hold them.
+
+A decode step on a CPU is bound by reading the weights. Dequantized to float32, the default
+model's Q4_1 file becomes 538 MB a step; kept as it is, 96 MB (4.5-8.5 bits a weight). The
+kernels in `csrc/quant_linear.h` compute straight from the blocks; this module is what the
+loader and the tests use around them:
+- `QuantType` and the block layouts, as ggml defines them;
+- `quantize` / `dequantize` in PyTorch (ggml's reference rounding), for loading a dense
+  checkpoint into a format, converting between formats, and testing the kernels;
+- `QuantLinear` and `QuantEmbedding`, the model's linears and embedding table on blocks.
+
+Which layers are kept quantized, and in which format, is the loader's `--quantization`
+choice (loader.plan_quantization).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.errors import ModelLoadError
+
+BLOCK = 32
+"""Weights per block, for every format here."""
+
+
+class QuantType(enum.IntEnum):
+    """The formats with kernels; values are ggml's type numbers (gguf.GGMLQuantizationType)."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def block_bytes(self) -> int:
+        return {QuantType.Q8_0: 34, QuantType.Q4_0: 18, QuantType.Q4_1: 20}[self]
+
+    def row_bytes(self, k: int) -> int:
+        return k // BLOCK * self.block_bytes
+
+    @classmethod
+    def parse(cls, name: str) -> QuantType:
+        return cls[name.upper()]
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight as a GGUF file stores it: `data` uint8 [rows, row_bytes] of `qtype` blocks,
+    `shape` the dense (rows, cols)."""
+
+    data: torch.Tensor
+    qtype: QuantType
+    shape: tuple[int, int]
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> float32 [...] (little-endian fp16)."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def dequantize(data: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+    """uint8 [N, row_bytes] -> float32 [N, k]; the reference for the kernels' dequantize."""
+    n = data.shape[0]
+    blocks = data.reshape(n, k // BLOCK, qtype.block_bytes)
+    d = _f16(blocks[..., 0:2]).unsqueeze(-1)
+    if qtype == QuantType.Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, k)
+    qs = blocks[..., 4:] if qtype == QuantType.Q4_1 else blocks[..., 2:]
+    nibbles = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    m = _f16(blocks[..., 2:4]).unsqueeze(-1) if qtype == QuantType.Q4_1 else -8.0 * d
+    return (d * nibbles + m).reshape(n, k)
+
+
+def quantize(w: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """float [N, K] (K % 32 == 0) -> uint8 [N, row_bytes], rounded as ggml's reference
+    quantizers (quantize_row_*_ref) round."""
+    n, k = w.shape
+    x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if qtype == QuantType.Q8_0:
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = _round_half_away(x * inv).to(torch.int8)
+        parts = [_f16_bytes(d), q.view(torch.uint8)]
+    elif qtype == QuantType.Q4_0:
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx) / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv + 8.5).to(torch.int8).clamp(max=15).to(torch.uint8)  # truncation, as C
+        parts = [_f16_bytes(d), q[..., :16] | (q[..., 16:] << 4)]
+    else:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = ((x - lo) * inv + 0.5).to(torch.int8).clamp(max=15).to(torch.uint8)
+        parts = [_f16_bytes(d), _f16_bytes(lo), q[..., :16] | (q[..., 16:] << 4)]
+    return torch.cat(parts, dim=-1).reshape(n, qtype.row_bytes(k))
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def convert(weight: torch.Tensor | QuantizedTensor, qtype: QuantType) -> torch.Tensor:
+    """A checkpoint's weight (dense, or blocks of any format) as `qtype` blocks: kept as
+    they are when already in it, else dequantized and quantized again."""
+    if isinstance(weight, QuantizedTensor):
+        if weight.qtype == qtype:
+            return weight.data
+        weight = dequantize(weight.data, weight.qtype, weight.shape[1])
+    return quantize(weight, qtype)
+
+
+def check_scales(data: torch.Tensor, qtype: QuantType, name: str) -> None:
+    """Refuse blocks whose scale (or Q4_1 offset) is not a finite number: a corrupt file
+    would otherwise load and answer with NaNs."""
+    blocks = data.reshape(-1, qtype.block_bytes)
+    scales = [_f16(blocks[:, 0:2])]
+    if qtype == QuantType.Q4_1:
+        scales.append(_f16(blocks[:, 2:4]))
+    bad = sum(int((~torch.isfinite(s)).sum()) for s in scales)
+    if bad:
+        raise ModelLoadError(
+            f"weight {name!r}: {bad} of its {blocks.shape[0]} {qtype.label} blocks have a "
+            "scale that is not a finite number (a corrupt file?)"
+        )
+
+
+class QuantModule(nn.Module):
+    """A module whose weight stays in `qtype` blocks: `qweight`, uint8 [rows, row_bytes]."""
+
+    qweight: torch.Tensor
+
+    def __init__(self, rows: int, cols: int, qtype: QuantType) -> None:
+        super().__init__()
+        self.qtype, self.cols = qtype, cols
+        self.register_buffer("qweight", torch.empty(rows, qtype.row_bytes(cols), dtype=torch.uint8))
+        self.compute_dtype = torch.float32
+        """The activations' dtype (the model's), what the weight is dequantized to."""
+
+    @property
+    def dense_shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.cols
+
+    def extra_repr(self) -> str:
+        return f"{self.dense_shape}, {self.qtype.label}"
+
+
+class QuantLinear(QuantModule):
+    """A linear layer on blocks. `weight` dequantizes on every read: what plain PyTorch
+    ops use. The CPU kernels read `qweight` directly."""
+
+    def __init__(
+        self, in_features: int, out_features: int, qtype: QuantType, bias: nn.Parameter | None
+    ) -> None:
+        super().__init__(out_features, in_features, qtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.qweight, self.qtype, self.in_features).to(self.compute_dtype)
+
+
+class QuantEmbedding(QuantModule):
+    """An embedding table on blocks: a lookup dequantizes only the rows it reads. A tied
+    LM head (a QuantLinear) shares `qweight`."""
+
+    def __init__(self, num_embeddings: int, dim: int, qtype: QuantType) -> None:
+        super().__init__(num_embeddings, dim, qtype)
+        self.embedding_dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.qweight[ids], self.qtype, self.embedding_dim)
+        return rows.to(self.compute_dtype)
+
+
+def quant_modules(model: nn.Module) -> list[QuantModule]:
+    """The model's quantized modules, one per weight (a tied LM head is its embedding's)."""
+    unique = {id(m.qweight): m for m in model.modules() if isinstance(m, QuantModule)}
+    return list(unique.values())
