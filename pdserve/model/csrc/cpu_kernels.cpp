@@ -148,23 +148,16 @@ inline void linear_row(const bf16* x, const bf16* wn, const bf16* bias, bf16* y,
   }
 }
 
-// Weights in a GGUF block format (quant_linear.h): up to quant::kFusedMaxM rows of x widen
-// each block in registers; more rows dequantize groups of weight rows and multiply them
-// by the dense linear above.
+// Weights in a GGUF block format (quant_linear.h's linear): groups of kRows rows dequantized
+// for the dense linear above when x has more rows than the fused loop takes.
 int linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
                  int64_t M, int64_t N, int64_t K) {
-  if (!quant::block_bytes(type)) return -1;
-  if (M <= quant::kFusedMaxM) {
-    quant::linear_fused(x, w, type, bias, y, M, N, K);
-    return 0;
-  }
-  quant::linear_dequantized<bf16, kRows>(w, type, N, K, [&](const bf16* wg, int64_t n0, int64_t rows) {
+  return quant::linear<bf16, kRows>(x, w, type, bias, y, M, N, K, [&](const bf16* wg, int64_t n0, int64_t rows) {
     if (rows == kRows)
       linear_group(x, wg, bias, y, M, N, K, n0, false);
     else
       for (int64_t r = 0; r < rows; r++) linear_row(x, wg + r * K, bias, y, M, N, K, n0 + r);
   });
-  return 0;
 }
 
 }  // namespace

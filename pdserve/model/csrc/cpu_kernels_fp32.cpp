@@ -133,23 +133,16 @@ void linear_m1(const float* x, const float* w, const float* bias, float* y, int6
   }
 }
 
-// Weights in a GGUF block format (quant_linear.h): up to quant::kFusedMaxM rows of x widen
-// each block in registers; more rows dequantize groups of weight rows and multiply them
-// by the dense linear above.
+// Weights in a GGUF block format (quant_linear.h's linear): groups of kR rows dequantized
+// for the dense linear above when x has more rows than the fused loop takes.
 int linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
-  if (!quant::block_bytes(type)) return -1;
-  if (M <= quant::kFusedMaxM) {
-    quant::linear_fused(x, w, type, bias, y, M, N, K);
-    return 0;
-  }
-  quant::linear_dequantized<float, kR>(w, type, N, K, [&](const float* wg, int64_t n0, int64_t rows) {
+  return quant::linear<float, kR>(x, w, type, bias, y, M, N, K, [&](const float* wg, int64_t n0, int64_t rows) {
     if (rows == kR)
       linear_group<kR>(x, wg, bias, y, M, N, K, n0, false);
     else
       for (int64_t r = 0; r < rows; r++) linear_group<1>(x, wg + r * K, bias, y, M, N, K, n0 + r, false);
   });
-  return 0;
 }
 
 }  // namespace

@@ -274,6 +274,21 @@ void linear_dequantized(const uint8_t* w, int64_t type, int64_t N, int64_t K, Gr
   }
 }
 
+// y[M, N] = x[M, K] W^T (+ bias) for W in format `type`; -1 for a format without a kernel.
+// Up to kFusedMaxM rows of x widen each block in registers; more rows dequantize groups of
+// R weight rows and hand them to `dense_group(group, n0, rows)`, the calling library's
+// dense linear on those rows.
+template <typename T, int R, typename DenseGroup>
+int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, T* y, int64_t M,
+           int64_t N, int64_t K, DenseGroup dense_group) {
+  if (!block_bytes(type)) return -1;
+  if (M <= kFusedMaxM)
+    linear_fused(x, w, type, bias, y, M, N, K);
+  else
+    linear_dequantized<T, R>(w, type, N, K, dense_group);
+  return 0;
+}
+
 // out[N, K] = W dequantized (rows of a table: prefill-sized linears, embedding lookups).
 template <typename T>
 int dequantize(const uint8_t* w, int64_t type, T* out, int64_t N, int64_t K) {
