@@ -16,6 +16,7 @@ from pdserve import envs, logs
 from pdserve.config import (
     DTYPES,
     KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -70,6 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: in float32 on the CPU kernels, keep a GGUF file's Q8_0/Q4_0/Q4_1 weights "
         "in their blocks; none: dequantize at load; q8_0/q4_0/q4_1: every linear in that format",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=CacheConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; int8: 8-bit values with a scale per token and head "
+        "(about half of bf16's bytes); P/D nodes of a pair must agree",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -87,6 +95,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "kernels": args.kernels,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
 

@@ -17,6 +17,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 KERNEL_CHOICES = ("auto", "torch", "triton")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32", "int8", "fp8_e4m3")
+FP8_NOT_BUILT = (
+    "kv_cache_dtype fp8_e4m3 is not implemented: x86 CPUs before AVX10.2 have no fp8 "
+    "conversion, and int8 stores the same bytes per value; use int8"
+)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -86,6 +91,10 @@ class CacheConfig:
     """Memory budget for the KV pool when `num_blocks` is not given (1 GiB)."""
     enable_prefix_caching: bool = True
     """Reuse blocks of a repeated prompt prefix."""
+    kv_cache_dtype: str = "auto"
+    """`auto`: K and V in the model's dtype; `int8`: 8-bit values with a float32 scale per
+    token and kv head, 53% of bf16's bytes (pdserve/model/kv_format.py). The P/D nodes of
+    a pair must agree."""
 
     def __post_init__(self) -> None:
         _require(
@@ -97,6 +106,12 @@ class CacheConfig:
             f"num_blocks must be >= 1, got {self.num_blocks}",
         )
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        if self.kv_cache_dtype == "fp8_e4m3":
+            raise ConfigError(FP8_NOT_BUILT)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from pdserve.engine.kv_connector import (
     LoadResult,
 )
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.model import kv_format
 from pdserve.model.loader import LoadedModel
 from pdserve.seams import NO_SEAMS, Seams
 
@@ -363,7 +364,7 @@ def kv_layout(loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> K
     arch = loaded.arch
     return KVLayout(
         model_fingerprint=model_fingerprint(loaded.model, repr(arch)),
-        dtype=str(kv_cache.dtype).removeprefix("torch."),
+        kv_cache_dtype=kv_format.name(kv_cache.dtype),
         block_size=block_size,
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,

@@ -135,7 +135,8 @@ class KVLayout:
     """What two nodes must share for one to read the other's blocks (checked at handshake)."""
 
     model_fingerprint: str
-    dtype: str
+    kv_cache_dtype: str
+    """The cache's format (kv_format.py): the model's dtype, or int8 with its scales."""
     block_size: int
     num_layers: int
     num_kv_heads: int

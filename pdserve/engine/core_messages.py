@@ -80,6 +80,8 @@ class ComputeInfo:
     """The CPU level in use and where it came from; None on a GPU."""
     quantization: str = "none"
     """How the weights are kept, and their bytes in memory (loader.plan_quantization)."""
+    kv_cache_dtype: str = "bfloat16"
+    """The KV cache's format (kv_format.py)."""
 
 
 @dataclass(frozen=True)

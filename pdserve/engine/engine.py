@@ -20,6 +20,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.errors import InvalidRequestError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.model import kv_format
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner, kv_cache_bytes_per_block
 from pdserve.outputs import RequestOutput
@@ -41,10 +42,9 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         cache = config.cache
-        num_blocks = cache.num_blocks or max(
-            1,
-            cache.kv_cache_memory_bytes // kv_cache_bytes_per_block(self.loaded, cache.block_size),
-        )
+        cache_dtype = kv_format.resolve(cache.kv_cache_dtype, self.loaded.dtype)
+        block_bytes = kv_cache_bytes_per_block(self.loaded, cache.block_size, cache_dtype)
+        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // block_bytes)
         self.max_model_len = min(self.loaded.max_model_len, num_blocks * cache.block_size)
         if self.max_model_len < self.loaded.max_model_len:
             logger.warning(
@@ -54,7 +54,12 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.runner = ModelRunner(
-            self.loaded, num_blocks, cache.block_size, config.model.seed, config.model.kernels
+            self.loaded,
+            num_blocks,
+            cache.block_size,
+            config.model.seed,
+            config.model.kernels,
+            cache_dtype,
         )
         self.connector = (
             connector_factory(self.loaded, self.runner.kv_cache, cache.block_size)

@@ -5,6 +5,8 @@ contiguous byte range across all layers (a single descriptor for a KV transfer):
 
     kv_cache[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 
+(head_dim + 4 int8 per row in the 8-bit format: values and their scale; kv_format.py.)
+
 A step's tokens are flattened into one batch, decoding requests first, then prefill chunks:
 
     tokens:  | d0 d1 ... d(B-1) | chunk 0 (n0 tokens) | chunk 1 (n1 tokens) | ...
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import kv_format
 
 
 @dataclass(frozen=True)
@@ -78,19 +82,21 @@ def write_kv(
 ) -> None:
     """Store the step's new keys and values ([T, Hkv, D]) in their cache slots."""
     index = (meta.slot_block_ids, meta.slot_offsets)
-    kv_layer[:, 0].index_put_(index, k)
-    kv_layer[:, 1].index_put_(index, v)
+    kv_layer[:, 0].index_put_(index, kv_format.storable(k, kv_layer.dtype))
+    kv_layer[:, 1].index_put_(index, kv_format.storable(v, kv_layer.dtype))
 
 
 def _gather(
     cache: torch.Tensor,
     block_table: torch.Tensor,
+    dtype: torch.dtype,
     buffer: torch.Tensor | None = None,
     index: int = 0,
 ) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values.
+    """[..., nblocks] block ids -> [..., Hkv, nblocks * block_size, D] keys or values in
+    `dtype` (dequantized from an 8-bit cache).
 
-    Writes into `buffer[index]` when given. index_select on the flattened table is several
+    Gathers into `buffer[index]` when given. index_select on the flattened table is several
     times faster than advanced indexing on this strided (block-major) view.
     """
     flat_table = block_table.reshape(-1)
@@ -101,7 +107,7 @@ def _gather(
         blocks = torch.index_select(cache, 0, flat_table, out=out)
     bs, hkv, d = cache.shape[1:]
     flat = blocks.reshape(*block_table.shape[:-1], block_table.shape[-1] * bs, hkv, d)
-    return flat.transpose(-3, -2)
+    return kv_format.readable(flat, dtype).transpose(-3, -2)
 
 
 def decode_attention_gathered(
@@ -119,8 +125,8 @@ def decode_attention_gathered(
     nd = meta.num_decode_tokens
     for group in meta.decode_groups:
         qd = q[:nd] if group.indices is None else q.index_select(0, group.indices)
-        kd = _gather(k_cache, group.block_tables, meta.decode_kv_buffer, 0)  # [n, Hkv, L, D]
-        vd = _gather(v_cache, group.block_tables, meta.decode_kv_buffer, 1)
+        kd = _gather(k_cache, group.block_tables, q.dtype, meta.decode_kv_buffer, 0)
+        vd = _gather(v_cache, group.block_tables, q.dtype, meta.decode_kv_buffer, 1)
         od = F.scaled_dot_product_attention(
             qd.unsqueeze(2), kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True
         ).squeeze(2)
@@ -156,8 +162,8 @@ def prefill_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kc = _gather(k_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
-            vc = _gather(v_cache, chunk.block_table)[:, : ctx + n].unsqueeze(0)
+            kc = _gather(k_cache, chunk.block_table, q.dtype)[:, : ctx + n].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table, q.dtype)[:, : ctx + n].unsqueeze(0)
             mask = causal_mask_with_context(n, ctx, q.device)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True

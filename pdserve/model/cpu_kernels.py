@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from pdserve import envs
-from pdserve.model import cpu_isa
+from pdserve.model import cpu_isa, kv_format
 from pdserve.model.cpu_isa import CpuIsa
 from pdserve.model.quant import QuantLinear, QuantType
 
@@ -91,8 +91,8 @@ _SIGNATURES = {
     "pd_linear_small": [_P, _P, _P, _P, _I, _I, _I],
     "pd_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
     "pd_silu_mul": [_P, _P, _I, _I],
-    "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P],
-    "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
+    "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
     "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
     "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F],
     "pd_amx_init": [],
@@ -123,32 +123,11 @@ class PdLayer(ctypes.Structure):
     ]
 
 
-_SIGNATURES["pd_decode_layers"] = [
-    ctypes.POINTER(PdLayer),
-    _I,
-    _P,
-    _P,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _F,
-    _F,
-    _P,
-    _P,
-    _P,
-    _I,
-    _I,
-    _I,
-    _P,
-    _P,
-    _P,
-    _I,
-    _P,
-    _I,
-]
+# layers, num_layers, x, delta, T, hidden, H, Hkv, D, inter, eps, scale, cos, sin,
+# positions, kv_format, s_block, s_kv, s_tok, slot blocks and offsets, block tables,
+# max_blocks, seq_lens, block_size.
+_SIGNATURES["pd_decode_layers"] = [ctypes.POINTER(PdLayer), *[_I, _P, _P], *[_I] * 6, _F, _F,
+                                   *[_P] * 3, *[_I] * 4, _P, _P, _P, _I, _P, _I]  # fmt: skip
 AMX_MAX_M = 128
 """Most rows the AMX linear takes. Against oneDNN on a decode step's weights (`pdserve
 bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
@@ -365,9 +344,10 @@ class CpuKernels:
         """Rotate q and k of qkv [T, H + 2Hkv, D] in place; store k and v in their slots."""
         t, _, d = qkv.shape
         s_block, s_kv, s_tok = kv_layer.stride()[:3]
+        fmt = kv_format.kernel_code(kv_layer.dtype)
         self._lib.pd_rotary_write_kv(
             qkv.data_ptr(), t, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-            positions.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok,
+            positions.data_ptr(), kv_layer.data_ptr(), fmt, s_block, s_kv, s_tok,
             slot_blocks.data_ptr(), slot_offsets.data_ptr(),
         )  # fmt: skip
 
@@ -384,8 +364,9 @@ class CpuKernels:
         hkv = kv_layer.shape[3]
         out = torch.empty((b, h, d), dtype=q.dtype)
         s_block, s_kv, s_tok = kv_layer.stride()[:3]
+        fmt = kv_format.kernel_code(kv_layer.dtype)
         status = self._lib.pd_decode_attention(
-            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), s_block, s_kv, s_tok,
+            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), fmt, s_block, s_kv, s_tok,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
             out.data_ptr(), b, h, hkv, d, kv_layer.shape[2], scale,
         )  # fmt: skip
@@ -430,15 +411,15 @@ class CpuKernels:
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        kv_strides: tuple[int, int, int],
+        kv_cache: torch.Tensor,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        block_size: int,
     ) -> torch.Tensor:
         """Every layer of a decode-only step in one call: x [T, hidden] is the residual
-        stream, updated in place; returns the last layer's delta. `layers` holds AMX-packed
+        stream, updated in place; returns the last layer's delta. `layers` points into
+        `kv_cache`, the whole cache. `layers` holds AMX-packed
         weights for T > `small_m` (up to AMX_MAX_M), none for T <= `small_m`. `shape` is
         (heads, kv heads, head size, intermediate size)."""
         t, hidden = x.shape
@@ -446,9 +427,10 @@ class CpuKernels:
         delta = torch.empty_like(x)
         status = self._lib.pd_decode_layers(
             layers, len(layers), x.data_ptr(), delta.data_ptr(), t, hidden, h, hkv, d, inter,
-            eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), *kv_strides,
+            eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+            kv_format.kernel_code(kv_cache.dtype), *kv_cache[:, 0].stride()[:3],
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), block_size,
+            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[3],
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")

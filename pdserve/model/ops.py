@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ConfigError
-from pdserve.model import cpu_kernels, huge_pages
+from pdserve.model import cpu_kernels, huge_pages, kv_format
 from pdserve.model.attention import (
     AttentionMetadata,
     decode_attention_gathered,
@@ -200,11 +200,9 @@ class CpuKernelOps(TorchOps):
         block_tables, seq_lens = paged_decode_inputs(meta)
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
-        s_block, s_kv, s_tok = kv_cache[:, 0].stride()[:3]
         return self.k.decode_layers(
             table, x, shape, model.arch.rms_norm_eps, attn.scale, cos, sin, positions,
-            (s_block, s_kv, s_tok), meta.slot_block_ids, meta.slot_offsets,
-            block_tables, seq_lens, kv_cache.shape[3],
+            kv_cache, meta.slot_block_ids, meta.slot_offsets, block_tables, seq_lens,
         )  # fmt: skip
 
     def _layer_table(self, model: Any, kv_cache: torch.Tensor, amx: bool) -> Any:
@@ -278,9 +276,10 @@ class CpuKernelOps(TorchOps):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """On AMX, every chunk reads its keys from the cache (the step's K/V are already
+        """On AMX, every chunk reads its keys from a bf16 cache (the step's K/V are already
         there) in the flash kernel; otherwise SDPA."""
-        if not self.k.amx or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
+        amx_reads = self.k.amx and not kv_format.is_quantized(kv_layer.dtype)
+        if not amx_reads or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
             return super().prefill_attention(q, k, v, kv_layer, meta, scale, out)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens

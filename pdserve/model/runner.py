@@ -19,7 +19,8 @@ import torch
 from pdserve.engine.core_messages import ComputeInfo
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.model import cpu_isa, huge_pages
+from pdserve.errors import ConfigError
+from pdserve.model import cpu_isa, huge_pages, kv_format
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -58,9 +59,10 @@ def keep_freed_memory_mapped() -> None:
         logger.debug("mallopt unavailable; keeping the default allocator settings")
 
 
-def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype) -> int:
     a = loaded.arch
-    return a.num_layers * 2 * block_size * a.num_kv_heads * a.head_dim * loaded.dtype.itemsize
+    row = kv_format.head_width(cache_dtype, a.head_dim) * cache_dtype.itemsize
+    return a.num_layers * 2 * block_size * a.num_kv_heads * row
 
 
 class ModelRunner:
@@ -71,10 +73,16 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         kernels: str = "auto",
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`cache_dtype`: the KV cache's (kv_format.resolve); default the model's dtype."""
         self.model = loaded.model
+        self.dtype = loaded.dtype
+        cache_dtype = cache_dtype or loaded.dtype
         self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch)
-        logger.info("model ops: %s", self.ops.label)
+        if kv_format.is_quantized(cache_dtype) and self.ops.name == "triton":
+            raise ConfigError("the 8-bit KV cache has no Triton kernel; use kernels='auto'")
+        logger.info("model ops: %s; KV cache %s", self.ops.label, kv_format.name(cache_dtype))
         self.compute = ComputeInfo(
             dtype=str(loaded.dtype).removeprefix("torch."),
             dtype_reason=loaded.dtype_reason,
@@ -82,17 +90,19 @@ class ModelRunner:
             ops=self.ops.label,
             cpu_level=cpu_isa.describe() if loaded.device.type == "cpu" else None,
             quantization=loaded.quantization,
+            kv_cache_dtype=kv_format.name(cache_dtype),
         )
         self.device = loaded.device
         self.block_size = block_size
         a = loaded.arch
-        shape = (num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim)
+        row = kv_format.head_width(cache_dtype, a.head_dim)
+        shape = (num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, row)
         if self.device.type == "cpu":
-            self.kv_cache = huge_pages.zeros(shape, loaded.dtype)
+            self.kv_cache = huge_pages.zeros(shape, cache_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
         self.generator = torch.Generator().manual_seed(seed)
-        self._kv_scratch = torch.empty((2, 0, *self.kv_cache.shape[3:]), dtype=loaded.dtype)
+        self._kv_scratch = torch.empty((2, 0, *self.kv_cache.shape[3:]), dtype=cache_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
 
@@ -209,7 +219,7 @@ class ModelRunner:
         return DecodeGroup(
             indices=None if members is None else torch.tensor(members, device=dev),
             block_tables=torch.from_numpy(padded).to(dev),
-            mask=torch.from_numpy(mask).to(dev, self.kv_cache.dtype)[:, None, None, :],
+            mask=torch.from_numpy(mask).to(dev, self.dtype)[:, None, None, :],
         )
 
     def _prefill_chunks(

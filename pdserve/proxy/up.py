@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--model", default=ModelConfig.model)
     up.add_argument("--dtype", default=ModelConfig.dtype)
+    up.add_argument("--quantization", default=None, help="the nodes' (see `serve --help`)")
+    up.add_argument("--kv-cache-dtype", default=None, help="the nodes' (auto, int8, ...)")
     up.add_argument("--api-key", default=None, help="required from clients and between nodes")
     up.add_argument("--num-kv-blocks", type=int, default=None)
     up.add_argument("--max-model-len", type=int, default=None)
@@ -60,6 +62,8 @@ def node_args(args: argparse.Namespace, role: str) -> list[str]:
         ("--api-key", args.api_key),
         ("--num-kv-blocks", args.num_kv_blocks),
         ("--max-model-len", args.max_model_len),
+        ("--quantization", args.quantization),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--log-level", args.log_level),
     ):
         if value is not None:

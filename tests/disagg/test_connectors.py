@@ -131,7 +131,7 @@ class FakeControl:
 def make_layout(**changes: Any) -> KVLayout:
     layout = KVLayout(
         model_fingerprint="fp-tiny",
-        dtype="float32",
+        kv_cache_dtype="float32",
         block_size=BLOCK_SIZE,
         num_layers=2,
         num_kv_heads=4,
@@ -646,7 +646,8 @@ def test_params_whose_blocks_do_not_cover_the_prompt_are_not_read(
 
 
 @pytest.mark.parametrize(
-    ("name", "theirs"), [("block_size", 8), ("model_fingerprint", "fp-other"), ("dtype", "bf16")]
+    ("name", "theirs"),
+    [("block_size", 8), ("model_fingerprint", "fp-other"), ("kv_cache_dtype", "int8")],
 )
 def test_an_incompatible_prefill_node_fails_the_request_whatever_the_policy(
     make_node: Callable[..., DecodeNode], name: str, theirs: object

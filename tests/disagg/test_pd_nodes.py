@@ -182,15 +182,15 @@ def test_s11_params_from_a_restarted_prefill_node_are_refused_then_recomputed(
         stop_server(new)
 
 
-@pytest.mark.parametrize("mismatch", ["block_size", "model"])
+@pytest.mark.parametrize("mismatch", ["block_size", "kv_cache_dtype", "model"])
 def test_s13_incompatible_nodes_fail_clearly_and_release(
     cluster: Cluster, tiny_model_dir: Any, mismatch: str
 ) -> None:
-    if mismatch == "block_size":
-        extra = ["--block-size", "8"]
-        model = cluster.model
-    else:
-        extra, model = [], tiny_model_dir("qwen2")
+    extra, model = {
+        "block_size": (["--block-size", "8"], cluster.model),
+        "kv_cache_dtype": (["--kv-cache-dtype", "int8"], cluster.model),
+        "model": ([], tiny_model_dir("qwen2")),
+    }[mismatch]
     with node(model, "--role", "decode", *extra) as other:
         body = completion(make_prompt(40, seed=13), max_tokens=4)
         kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
@@ -198,11 +198,37 @@ def test_s13_incompatible_nodes_fail_clearly_and_release(
         assert response.status_code == 502, response.text
         error = response.json()["error"]
         assert error["type"] == "kv_transfer_error" and "incompatible" in error["message"]
-        expected_field = "block_size" if mismatch == "block_size" else "model_fingerprint"
+        expected_field = "model_fingerprint" if mismatch == "model" else mismatch
         assert expected_field in error["message"]
         wait_idle(cluster.prefill, RELEASED_WITHIN_S)
         wait_idle(other, RELEASED_WITHIN_S)
         assert httpx.get(f"{other.url}/health").status_code == 200
+
+
+def test_int8_kv_pd_output_equals_its_single_node_in_fewer_bytes(cluster: Cluster) -> None:
+    """Nodes with the 8-bit cache: P/D greedy output equals a single node's with the same
+    format, and the decode node reads (head_dim + 4) / (4 head_dim) of float32's bytes for
+    the same prompt (the scales travel inside the blocks)."""
+    transfer_bytes = "pdserve_kv_transfer_bytes_total"
+    int8 = ("--kv-cache-dtype", "int8")
+    with (
+        node(cluster.model, "--role", "prefill", *int8) as prefill,
+        node(cluster.model, "--role", "decode", *int8) as decode,
+        node(cluster.model, *int8) as single,
+    ):
+        body = completion(make_prompt(70, seed=17), max_tokens=8)
+        expected = token_ids(post(single, "/v1/completions", body).json())
+        kv = prefill_leg(prefill, body)["kv_transfer_params"]
+        assert token_ids(decode_leg(decode, body, kv).json()) == expected
+        int8_bytes = metric(decode, transfer_bytes)
+        wait_idle(prefill, RELEASED_WITHIN_S)
+
+    before = metric(cluster.decode, transfer_bytes)
+    kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
+    assert decode_leg(cluster.decode, body, kv).status_code == 200
+    float32_bytes = metric(cluster.decode, transfer_bytes) - before
+    head_dim = 16  # the tiny model's
+    assert int8_bytes > 0 and int8_bytes / float32_bytes == (head_dim + 4) / (4 * head_dim)
 
 
 # -- S21: preemption after the transfer -----------------------------------------------------

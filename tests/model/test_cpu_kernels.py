@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.errors import ConfigError
-from pdserve.model import cpu_isa, cpu_kernels
+from pdserve.model import cpu_isa, cpu_kernels, kv_format
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -167,6 +167,25 @@ def test_rotary_write_kv_matches_torch_ops(k: Any) -> None:
     assert torch.equal(kv_kernel.transpose(1, 2)[untouched], kv.transpose(1, 2)[untouched])
 
 
+def test_rotary_write_kv_int8_stores_the_bytes_torch_ops_do(k: Any) -> None:
+    """The 8-bit cache: each head's values and scale, byte for byte as kv_format.quantize
+    stores the rotated keys and the values (the same arithmetic on both paths)."""
+    torch.manual_seed(3)
+    h, hkv, d, bs = 6, 2, 64, 16
+    kv = _kv_cache(8, bs, hkv, d + kv_format.SCALE_BYTES, torch.float32).to(torch.int8)
+    qkv = randn(5, h + 2 * hkv, d, dtype=k.dtype) * 3
+    qkv[2, h] = 0  # an all-zero head: scale 0, values 0
+    positions = torch.tensor([0, 7, 16, 33, 100])
+    blocks, offsets = torch.tensor([3, 3, 5, 1, 6]), positions % bs
+    freqs = torch.outer(torch.arange(128).float(), 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    kv_kernel, rotated = kv.clone(), qkv.clone()
+    k.rotary_write_kv(rotated, h, hkv, cos, sin, positions, kv_kernel, blocks, offsets)
+    assert torch.equal(kv_kernel[blocks, 0, offsets], kv_format.quantize(rotated[:, h : h + hkv]))
+    assert torch.equal(kv_kernel[blocks, 1, offsets], kv_format.quantize(qkv[:, h + hkv :]))
+    assert not kv_kernel[blocks[2], 0, offsets[2], 0].any()
+
+
 # Query heads per kv head 1-12 and every head size. The value pass takes as many query
 # heads at a time as the registers hold (bf16: 4 at D <= 64, 2 at 128, 1 at 256; float32
 # AVX2: 3 at D = 32, else 1 per 64-dim slice; AVX-512: 12, 6, 3 and 3 per 128-dim slice),
@@ -178,8 +197,9 @@ def test_rotary_write_kv_matches_torch_ops(k: Any) -> None:
 @pytest.mark.parametrize("bs", [4, 16, 64])
 # Six sequences: a task per sequence; one: a task per (sequence, kv head).
 @pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 200, 61], [133]])
+@pytest.mark.parametrize("int8", [False, True], ids=["kv-dense", "kv-int8"])
 def test_decode_attention_matches_gathered_sdpa(
-    k: Any, h: int, hkv: int, d: int, bs: int, seq_lens: list[int]
+    k: Any, h: int, hkv: int, d: int, bs: int, seq_lens: list[int], int8: bool
 ) -> None:
     torch.manual_seed(h * d)
     num_blocks = 4 * 256 // bs
@@ -204,8 +224,11 @@ def test_decode_attention_matches_gathered_sdpa(
         decode_kv_buffer=None,
         prefills=(),
     )
+    # The 8-bit cache: the same keys and values quantized; PyTorch ops dequantize what
+    # they gather, in float64 here.
+    kv = kv_format.quantize(kv) if int8 else kv
     expected = torch.empty(len(seq_lens), h, d, dtype=torch.float64)
-    decode_attention_gathered(q.double(), kv.double(), meta, d**-0.5, expected)
+    decode_attention_gathered(q.double(), kv if int8 else kv.double(), meta, d**-0.5, expected)
     out = k.decode_attention(q, kv, block_tables, torch.tensor(seq_lens), d**-0.5)
     assert_close(out, expected, ulps=3)
 
@@ -269,6 +292,18 @@ def variant_llm(request: pytest.FixtureRequest) -> Any:
     return llm
 
 
+@pytest.fixture(scope="module", params=variant_params())
+def variant_llm_int8(request: pytest.FixtureRequest) -> Any:
+    """variant_llm with the 8-bit KV cache."""
+    from pdserve import LLM
+
+    dtype, isa = VARIANTS[request.param]
+    with cpu_level(isa.label):
+        return LLM("default", dtype=str(dtype).removeprefix("torch."), num_blocks=256,
+                   max_model_len=1024, max_num_batched_tokens=48, quantization="none",
+                   kv_cache_dtype="int8")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def torch_bf16_llm() -> Any:
     from pdserve import LLM
@@ -312,9 +347,18 @@ def test_decode_only_steps_run_all_layers_in_one_call_bit_identically(
 ) -> None:
     """`pd_decode_layers` (small-M linear up to small_m rows, AMX above where the CPU has
     it) gives exactly the per-op path's logprobs."""
+    assert_one_call_is_bit_identical(variant_llm, monkeypatch)
+
+
+def test_one_call_steps_are_bit_identical_with_the_int8_cache(
+    variant_llm_int8: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert_one_call_is_bit_identical(variant_llm_int8, monkeypatch)
+
+
+def assert_one_call_is_bit_identical(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve import SamplingParams
 
-    llm = variant_llm
     kernels = llm.engine.runner.ops.k
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3,",

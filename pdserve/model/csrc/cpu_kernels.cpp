@@ -28,6 +28,7 @@
 #include "paged_decode.h"
 #include "quant_linear.h"
 #include "vec_x86.h"
+#include "attention_f32.h"
 
 typedef uint16_t bf16;
 
@@ -220,12 +221,12 @@ void pd_silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
 // Rotary (rotate-half form) applied in place to the query and key heads of a fused
 // qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
 // cache slots. cos/sin are fp32 tables [max_positions, D] (each half repeats the other).
-// The cache is addressed by strides (in elements): block, K/V plane, token; heads are
-// contiguous within a token. D % 32 == 0.
+// The cache, in a paged::KVFormat, is addressed by strides (in its elements): block, K/V
+// plane, token; heads are contiguous within a token. D % 32 == 0.
 
 void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                        const float* cos, const float* sin, const int64_t* positions,
-                        bf16* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const float* cos, const float* sin, const int64_t* positions, void* kv,
+                        int64_t kv_format, int64_t s_block, int64_t s_kv, int64_t s_tok,
                         const int64_t* slot_blocks, const int64_t* slot_offsets) {
   const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
 #pragma omp parallel for schedule(static) if (T > 1)
@@ -242,9 +243,15 @@ void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
         store16(x + half + i, _mm512_fmadd_ps(x2, c1, _mm512_mul_ps(x1, s1)));
       }
     }
-    bf16* slot = kv + slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
-    memcpy(slot, row + H * D, Hkv * D * sizeof(bf16));                // keys
-    memcpy(slot + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(bf16));  // values
+    const int64_t slot = slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
+    if (kv_format == paged::kKVInt8) {
+      attn::store_kv_int8(row + H * D, row + (H + Hkv) * D, static_cast<int8_t*>(kv) + slot,
+                          s_kv, Hkv, D, to_f32);
+    } else {
+      bf16* dst = static_cast<bf16*>(kv) + slot;
+      memcpy(dst, row + H * D, Hkv * D * sizeof(bf16));                // keys
+      memcpy(dst + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(bf16));  // values
+    }
   }
 }
 
@@ -405,17 +412,41 @@ void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int
 
 extern "C" {
 
+// The 8-bit cache's decode attention (attention_f32.h) computes in float: q is widened
+// first and the output rounded to bf16 after, ~(B H D) values each, noise beside the cache.
+static int decode_attention_int8(const bf16* q, int64_t q_stride, const int8_t* kv,
+                                 int64_t s_block, int64_t s_kv, int64_t s_tok,
+                                 const int64_t* block_tables, int64_t max_blocks,
+                                 const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
+                                 int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+  std::vector<float> qf(B * H * D), of(B * H * D);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t i = 0; i < H * D; i++) qf[b * H * D + i] = to_f32(q[b * q_stride + i]);
+  const int status = attn::decode_attention<attn::Int8KV>(
+      qf.data(), H * D, kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens,
+      of.data(), B, H, Hkv, D, block_size, scale);
+  for (int64_t i = 0; i < B * H * D; i++) out[i] = to_bf16(of[i]);
+  return status;
+}
+
 // Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
-// block_size must be a power of two (CacheConfig enforces it).
-int pd_decode_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
-                        int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
-                        int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B,
-                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+// block_size must be a power of two (CacheConfig enforces it). The cache is in a
+// paged::KVFormat.
+int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t kv_format,
+                        int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const int64_t* block_tables, int64_t max_blocks,
+                        const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+  if (kv_format == paged::kKVInt8)
+    return decode_attention_int8(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv,
+                                 s_tok, block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
+                                 block_size, scale);
   const int64_t G = H / Hkv;
+  const bf16* cache = static_cast<const bf16*>(kv);
   return paged::with_head_size(D, [&](auto head_size) {
     constexpr int kD = decltype(head_size)::value;
     paged::for_each_decode_task(
-        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
+        cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
         [&](int64_t b, const PagedSeq& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
           attend_task<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
                           out + b * H * D);
@@ -453,17 +484,17 @@ int pd_dequantize(const uint8_t* w, int64_t type, bf16* out, int64_t N, int64_t 
 int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers, bf16* x,
                      bf16* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
                      int64_t D, int64_t inter, float eps, float scale, const float* cos,
-                     const float* sin, const int64_t* positions, int64_t s_block,
-                     int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
+                     const float* sin, const int64_t* positions, int64_t kv_format,
+                     int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
   static const paged::StepKernels<bf16> kernels{pd_add_rms_norm, step_linear,
                                                 pd_rotary_write_kv, pd_decode_attention,
                                                 pd_silu_mul};
   return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
-                              inter, eps, scale, cos, sin, positions, s_block, s_kv, s_tok,
-                              slot_blocks, slot_offsets, block_tables, max_blocks, seq_lens,
-                              block_size);
+                              inter, eps, scale, cos, sin, positions, kv_format, s_block,
+                              s_kv, s_tok, slot_blocks, slot_offsets, block_tables,
+                              max_blocks, seq_lens, block_size);
 }
 
 }  // extern "C"

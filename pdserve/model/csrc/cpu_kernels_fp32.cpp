@@ -23,6 +23,7 @@
 #include "paged_decode.h"
 #include "quant_linear.h"
 #include "vec_x86.h"
+#include "attention_f32.h"
 
 using vec::F;
 using vec::kLanes;
@@ -210,12 +211,12 @@ void pd_silu_mul(const float* gate_up, float* out, int64_t T, int64_t I) {
 // Rotary (rotate-half form) applied in place to the query and key heads of a fused
 // qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
 // cache slots. cos/sin are tables [max_positions, D] (each half repeats the other). The
-// cache is addressed by strides (in elements): block, K/V plane, token; heads are
-// contiguous within a token. D % (2 kLanes) == 0.
+// cache, in a paged::KVFormat, is addressed by strides (in its elements): block, K/V plane,
+// token; heads are contiguous within a token. D % (2 kLanes) == 0.
 
 void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                        const float* cos, const float* sin, const int64_t* positions,
-                        float* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const float* cos, const float* sin, const int64_t* positions, void* kv,
+                        int64_t kv_format, int64_t s_block, int64_t s_kv, int64_t s_tok,
                         const int64_t* slot_blocks, const int64_t* slot_offsets) {
   const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
 #pragma omp parallel for schedule(static) if (T > 1)
@@ -232,164 +233,37 @@ void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D
         vec::store(x + half + i, vec::fmadd(x2, c1, vec::mul(x1, s1)));
       }
     }
-    float* slot = kv + slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
-    memcpy(slot, row + H * D, Hkv * D * sizeof(float));                // keys
-    memcpy(slot + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(float));  // values
+    const int64_t slot = slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
+    if (kv_format == paged::kKVInt8) {
+      attn::store_kv_int8(row + H * D, row + (H + Hkv) * D, static_cast<int8_t*>(kv) + slot,
+                          s_kv, Hkv, D, [](float v) { return v; });
+    } else {
+      float* dst = static_cast<float*>(kv) + slot;
+      memcpy(dst, row + H * D, Hkv * D * sizeof(float));                // keys
+      memcpy(dst + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(float));  // values
+    }
   }
 }
 
 }  // extern "C"
 
-// ---------------------------------------------------------------------------------------
-// Decode attention straight from the paged cache: one query token per sequence, keys and
-// values read in place through the block table. q[b] starts at q + b * q_stride with H
-// heads of D; out is [B, H, D] contiguous.
-//
-// A task is one sequence and a range of its kv heads (paged_decode.h hands them out).
-// Three passes, as in the bf16 kernel:
-// 1. scores of every (kv head, query head) of the task, kLanes keys at a time: the keys'
-//    row addresses are looked up once for all heads, and each head's kLanes dot-product
-//    vectors are summed by one transpose-and-add instead of kLanes horizontal sums;
-// 2. per query head, exp(score - max) and its sum (an exact softmax over the whole row);
-// 3. each value row accumulated into as many query heads as the registers hold, over a
-//    slice of at most 8 vectors of dimensions; the sum is divided out at the end.
-// The first pass over K and over V prefetch the task's rows kPrefetchTokens ahead.
-
-namespace {
-
-using PagedSeq = paged::PagedSeq<float>;
-using paged::kPrefetchTokens;
-using paged::prefetch_bytes;
-
-// Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows padded
-// to ls, a multiple of kLanes; the padding is overwritten by pass 2).
-template <int D>
-void score_task(const float* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
-                int64_t G, float scale, float* s, int64_t ls) {
-  const F vscale = vec::set1(scale);
-  for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
-    const float* key[kLanes];
-    for (int i = 0; i < kLanes; i++) key[i] = seq.row(t0 + i < L ? t0 + i : L - 1) + hk0 * D;
-    for (int64_t t = t0 + kPrefetchTokens; t < t0 + kPrefetchTokens + kLanes && t < L; t++)
-      prefetch_bytes(seq.row(t) + hk0 * D, nhk * D * sizeof(float));
-    for (int64_t h = 0; h < nhk; h++) {
-      for (int64_t g = 0; g < G; g++) {
-        const float* qh = q + ((hk0 + h) * G + g) * D;
-        F part[kLanes];
-        for (int i = 0; i < kLanes; i++) part[i] = vec::zero();
-        for (int c = 0; c < D; c += kLanes) {
-          const F qv = vec::load(qh + c);
-          for (int i = 0; i < kLanes; i++)
-            part[i] = vec::fmadd(vec::load(key[i] + h * D + c), qv, part[i]);
-        }
-        vec::store(s + (h * G + g) * ls + t0, vec::mul(vec::transpose_add(part), vscale));
-      }
-    }
-  }
-}
-
-// Pass 2: s[t] = exp(s[t] - max) over the row's first L scores (the padding becomes ~0);
-// returns 1 / their sum.
-inline float exp_row(float* s, int64_t L, int64_t ls) {
-  for (int64_t t = L; t < ls; t++) s[t] = -INFINITY;
-  F vmax = vec::set1(-INFINITY);
-  for (int64_t t = 0; t < ls; t += kLanes) vmax = vec::max(vmax, vec::load(s + t));
-  const F mx = vec::set1(vec::reduce_max(vmax));
-  F vsum = vec::zero();
-  for (int64_t t = 0; t < ls; t += kLanes) {
-    const F e = vec::exp(vec::sub(vec::load(s + t), mx));
-    vec::store(s + t, e);
-    vsum = vec::add(vsum, e);
-  }
-  return 1.0f / vec::reduce_add(vsum);
-}
-
-// Pass 3 for NG query heads of kv head hk, dimensions d0..d0+DS-1:
-// out_g[d] = inv_g * sum_t p_g[t] v_t[d].
-template <int DS, int NG>
-void accumulate_values(const float* p, int64_t ls, const float* inv, const PagedSeq& seq,
-                       int64_t L, int64_t hk, int64_t D, int64_t d0, float* out,
-                       int64_t prefetch, int64_t hk0) {
-  constexpr int kV = DS / kLanes;
-  F acc[NG][kV];
-  for (int g = 0; g < NG; g++)
-    for (int c = 0; c < kV; c++) acc[g][c] = vec::zero();
-  for (int64_t t = 0; t < L; t++) {
-    if (prefetch && t + kPrefetchTokens < L)
-      prefetch_bytes(seq.row(t + kPrefetchTokens) + seq.s_kv + hk0 * D, prefetch);
-    const float* v = seq.row(t) + seq.s_kv + hk * D + d0;
-    F vv[kV];
-    for (int c = 0; c < kV; c++) vv[c] = vec::load(v + c * kLanes);
-    for (int g = 0; g < NG; g++) {
-      const F pg = vec::set1(p[g * ls + t]);
-      for (int c = 0; c < kV; c++) acc[g][c] = vec::fmadd(pg, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < NG; g++) {
-    const F sc = vec::set1(inv[g]);
-    for (int c = 0; c < kV; c++) vec::store(out + g * D + d0 + c * kLanes, vec::mul(acc[g][c], sc));
-  }
-}
-
-// accumulate_values for n <= NG heads (a template per count, picked at run time).
-template <int DS, int NG>
-void accumulate_heads(int64_t n, const float* p, int64_t ls, const float* inv,
-                      const PagedSeq& seq, int64_t L, int64_t hk, int64_t D, int64_t d0,
-                      float* out, int64_t prefetch, int64_t hk0) {
-  if constexpr (NG > 1) {
-    if (n < NG) {
-      accumulate_heads<DS, NG - 1>(n, p, ls, inv, seq, L, hk, D, d0, out, prefetch, hk0);
-      return;
-    }
-  }
-  accumulate_values<DS, NG>(p, ls, inv, seq, L, hk, D, d0, out, prefetch, hk0);
-}
-
-template <int D>
-void attend_task(const float* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
-                 int64_t G, float scale, std::vector<float>& scratch, float* out) {
-  const int64_t ls = (L + kLanes - 1) / kLanes * kLanes, rows = nhk * G;
-  if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
-  float* s = scratch.data();
-  float* inv = s + rows * ls;
-  score_task<D>(q, seq, L, hk0, nhk, G, scale, s, ls);
-  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L, ls);
-  constexpr int DS = D < 8 * kLanes ? D : 8 * kLanes;  // at most 8 vectors a slice
-  constexpr int kHeads = vec::kAccumulators / (DS / kLanes);
-  constexpr int NG = kHeads < 1 ? 1 : kHeads;
-  for (int64_t h = 0; h < nhk; h++) {
-    const int64_t hk = hk0 + h;
-    for (int64_t d0 = 0; d0 < D; d0 += DS) {
-      for (int64_t g0 = 0; g0 < G; g0 += NG) {
-        const int64_t n = G - g0 < NG ? G - g0 : NG, r = h * G + g0;
-        const int64_t pf = h == 0 && d0 == 0 && g0 == 0 ? nhk * D * sizeof(float) : 0;
-        accumulate_heads<DS, NG>(n, s + r * ls, ls, inv + r, seq, L, hk, D, d0,
-                                 out + (hk * G + g0) * D, pf, hk0);
-      }
-    }
-  }
-}
-
-}  // namespace
-
 extern "C" {
 
+// Decode attention straight from the paged cache (attention_f32.h), in a paged::KVFormat.
 // Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
 // block_size must be a power of two (CacheConfig enforces it).
-int pd_decode_attention(const float* q, int64_t q_stride, const float* kv, int64_t s_block,
-                        int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
-                        int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
-                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-  const int64_t G = H / Hkv;
-  return paged::with_head_size(D, [&](auto head_size) {
-    constexpr int kD = decltype(head_size)::value;
-    paged::for_each_decode_task(
-        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
-        [&](int64_t b, const PagedSeq& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
-          attend_task<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
-                          out + b * H * D);
-        });
-  });
+int pd_decode_attention(const float* q, int64_t q_stride, const void* kv, int64_t kv_format,
+                        int64_t s_block, int64_t s_kv, int64_t s_tok,
+                        const int64_t* block_tables, int64_t max_blocks,
+                        const int64_t* seq_lens, float* out, int64_t B, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+  if (kv_format == paged::kKVInt8)
+    return attn::decode_attention<attn::Int8KV>(
+        q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv, s_tok, block_tables,
+        max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale);
+  return attn::decode_attention<attn::FloatKV>(
+      q, q_stride, static_cast<const float*>(kv), s_block, s_kv, s_tok, block_tables,
+      max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale);
 }
 
 // Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
@@ -405,17 +279,17 @@ static void step_linear(const float* x, const void* w, const float*, int64_t typ
 int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,
                      float* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
                      int64_t D, int64_t inter, float eps, float scale, const float* cos,
-                     const float* sin, const int64_t* positions, int64_t s_block,
-                     int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
+                     const float* sin, const int64_t* positions, int64_t kv_format,
+                     int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
   static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear,
                                                  pd_rotary_write_kv, pd_decode_attention,
                                                  pd_silu_mul};
   return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
-                              inter, eps, scale, cos, sin, positions, s_block, s_kv, s_tok,
-                              slot_blocks, slot_offsets, block_tables, max_blocks, seq_lens,
-                              block_size);
+                              inter, eps, scale, cos, sin, positions, kv_format, s_block,
+                              s_kv, s_tok, slot_blocks, slot_offsets, block_tables,
+                              max_blocks, seq_lens, block_size);
 }
 
 }  // extern "C"

@@ -14,6 +14,10 @@
 
 namespace paged {
 
+// The KV cache's formats (cpu_kernels.py passes the number): the library's own element
+// type, or 8-bit values with a float32 scale per (token, kv head) (attention_f32.h).
+enum KVFormat : int64_t { kKVDense = 0, kKVInt8 = 1 };
+
 // A sequence's blocks are scattered over the cache, where the hardware prefetchers lose
 // them: the first pass over K and over V prefetch the task's rows this many tokens ahead
 // (16 to 128 measured alike, within noise, in bf16).
@@ -104,7 +108,7 @@ struct DecodeLayer {  // the layout of cpu_kernels.py's PdLayer
   const T* post_norm;
   const void* gate_up;
   const void* down;
-  T* kv;  // this layer's cache, addressed with the strides below
+  void* kv;  // this layer's cache (a KVFormat), addressed with the strides below
   // The four weights packed for a library's own linear (the bf16 one's AMX tiles), or
   // all null: the caller picks the table by the step's rows.
   const T* qkv_packed;
@@ -123,14 +127,17 @@ struct StepKernels {
   // y = x w^T (+ bias) for w dense (type 0, or `packed`) or in a quant::Type.
   void (*linear)(const T* x, const void* w, const T* packed, int64_t type, const T* bias,
                  T* y, int64_t M, int64_t N, int64_t K);
+  // The cache (kv, its strides) in a KVFormat.
   void (*rotary_write_kv)(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
-                          const float* cos, const float* sin, const int64_t* positions, T* kv,
+                          const float* cos, const float* sin, const int64_t* positions,
+                          void* kv, int64_t kv_format, int64_t s_block, int64_t s_kv,
+                          int64_t s_tok, const int64_t* slot_blocks,
+                          const int64_t* slot_offsets);
+  int (*decode_attention)(const T* q, int64_t q_stride, const void* kv, int64_t kv_format,
                           int64_t s_block, int64_t s_kv, int64_t s_tok,
-                          const int64_t* slot_blocks, const int64_t* slot_offsets);
-  int (*decode_attention)(const T* q, int64_t q_stride, const T* kv, int64_t s_block,
-                          int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
-                          int64_t max_blocks, const int64_t* seq_lens, T* out, int64_t B,
-                          int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale);
+                          const int64_t* block_tables, int64_t max_blocks,
+                          const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t Hkv,
+                          int64_t D, int64_t block_size, float scale);
   void (*silu_mul)(const T* gate_up, T* out, int64_t rows, int64_t I);
 };
 
@@ -138,10 +145,10 @@ template <typename T>
 int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t num_layers,
                   T* x, T* delta_out, int64_t rows, int64_t hidden, int64_t H, int64_t Hkv,
                   int64_t D, int64_t inter, float eps, float scale, const float* cos,
-                  const float* sin, const int64_t* positions, int64_t s_block, int64_t s_kv,
-                  int64_t s_tok, const int64_t* slot_blocks, const int64_t* slot_offsets,
-                  const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                  int64_t block_size) {
+                  const float* sin, const int64_t* positions, int64_t kv_format,
+                  int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
+                  const int64_t* slot_offsets, const int64_t* block_tables, int64_t max_blocks,
+                  const int64_t* seq_lens, int64_t block_size) {
   if (D != 32 && D != 64 && D != 128 && D != 256) return -1;
   const int64_t width = (H + 2 * Hkv) * D;
   std::vector<T> h(rows * hidden), qkv(rows * width), attn(rows * H * D),
@@ -151,9 +158,9 @@ int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t
     k.add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), rows, hidden, eps);
     k.linear(h.data(), w.qkv, w.qkv_packed, w.qkv_type, w.qkv_bias, qkv.data(), rows, width,
              hidden);
-    k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, cos, sin, positions, w.kv, s_block, s_kv,
-                      s_tok, slot_blocks, slot_offsets);
-    k.decode_attention(qkv.data(), width, w.kv, s_block, s_kv, s_tok, block_tables,
+    k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, cos, sin, positions, w.kv, kv_format,
+                      s_block, s_kv, s_tok, slot_blocks, slot_offsets);
+    k.decode_attention(qkv.data(), width, w.kv, kv_format, s_block, s_kv, s_tok, block_tables,
                        max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale);
     k.linear(attn.data(), w.o, w.o_packed, w.o_type, nullptr, o.data(), rows, hidden, H * D);
     k.add_rms_norm(x, o.data(), w.post_norm, h.data(), rows, hidden, eps);

@@ -29,6 +29,10 @@ inline F zero() { return _mm512_setzero_ps(); }
 inline F set1(float v) { return _mm512_set1_ps(v); }
 inline F load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+// 16 int8 values widened to float.
+inline F load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -85,6 +89,10 @@ inline F zero() { return _mm256_setzero_ps(); }
 inline F set1(float v) { return _mm256_set1_ps(v); }
 inline F load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+// 8 int8 values widened to float.
+inline F load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline F add(F a, F b) { return _mm256_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
