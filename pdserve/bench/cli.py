@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.config import QUANTIZATIONS
+from pdserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 DTYPES = ["auto", "bfloat16", "float32"]
 
@@ -24,6 +24,12 @@ def add_bench_parser(sub: Any) -> None:
         choices=QUANTIZATIONS,
         help="how pdserve keeps the weights (auto: a GGUF's blocks in float32 on the kernels)",
     )
+    off.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="pdserve's KV cache (auto: the model's dtype; int8: 8-bit with scales)",
+    )
     off.add_argument("--workload", default="fixed", choices=["fixed", "mixed"])
     off.add_argument("--num-prompts", type=int, default=32)
     off.add_argument("--input-len", type=int, default=32)
@@ -34,7 +40,8 @@ def add_bench_parser(sub: Any) -> None:
         "--compare",
         default="",
         help="comma-separated peers: hf, vllm, llamacpp (the same GGUF; one request at a "
-        "time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights dequantized)",
+        "time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights dequantized), "
+        "kv-int8 (pdserve with the 8-bit KV cache)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(

@@ -97,6 +97,7 @@ def pdserve_runner(
         max_num_seqs=args.max_num_seqs,
         kernels=kernels,
         quantization=quantization or args.quantization,
+        kv_cache_dtype=engine_options.pop("kv_cache_dtype", args.kv_cache_dtype),
         kv_cache_memory_bytes=kv_cache_bytes(args, planned),
         # Off for pdserve and vLLM (run_vllm.py) alike: every --repeat sends the same
         # prompts again, and blocks cached by the previous repeat would skip most of the
@@ -127,6 +128,8 @@ def pdserve_runner(
     name = "pdserve" if kernels == "auto" else f"pdserve-{kernels}"
     if quantization is not None:
         name += f"-{quantization}"
+    if llm.engine.config.cache.kv_cache_dtype != args.kv_cache_dtype:
+        name += f"-kv-{llm.engine.config.cache.kv_cache_dtype}"
     run.name = name  # type: ignore[attr-defined]
     run.quantization = llm.engine.loaded.quantization  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
@@ -148,6 +151,11 @@ def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
 def pdserve_dense_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     """pdserve with every weight dequantized at load: what keeping the blocks gains."""
     return pdserve_runner(args, planned, quantization="none")
+
+
+def pdserve_kv_int8_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """pdserve with the 8-bit KV cache: what it gains on a KV-bound (mixed) workload."""
+    return pdserve_runner(args, planned, kv_cache_dtype="int8")
 
 
 def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
@@ -346,6 +354,7 @@ PEERS: dict[str, PeerFactory] = {
     "hf": hf_runner,
     "torch": pdserve_torch_runner,
     "dense": pdserve_dense_runner,
+    "kv-int8": pdserve_kv_int8_runner,
     "vllm": VllmRunner,
     "llamacpp": LlamaCppRunner,
 }
