@@ -270,6 +270,7 @@ def _quant_linear(arena: Any, weight: torch.Tensor, qtype: QuantType) -> QuantLi
 
 
 def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
+    from pdserve.model import kv_format
     from pdserve.model.attention import AttentionMetadata, DecodeGroup, decode_attention_gathered
 
     bs, hkv, d, h = 64, arch.num_kv_heads, arch.head_dim, arch.num_heads
@@ -277,7 +278,10 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
     print(
         f"\ndecode attention, one layer ({h} heads, {hkv} kv heads, D={d}), best of {args.repeat}"
     )
-    print(f"{'batch':>6}{'length':>8}{'gather+SDPA ms':>16}{'kernel ms':>11}{'speed-up':>10}")
+    print(
+        f"{'batch':>6}{'length':>8}{'gather+SDPA ms':>16}{'kernel ms':>11}{'speed-up':>10}"
+        f"{'int8 KV ms':>12}{'vs kernel':>11}"
+    )
     rng = np.random.default_rng(0)
     for batch, length in ((1, 1000), (32, 160), (32, 1000), (64, 500)):
         per_seq = -(-length // bs)
@@ -303,7 +307,12 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
         out = torch.empty_like(q)
         base = best_of(lambda: decode_attention_gathered(q, kv, meta, d**-0.5, out), args.repeat)  # noqa: B023
         ours = best_of(lambda: kernels.decode_attention(q, kv, tables, lens, d**-0.5), args.repeat)  # noqa: B023
-        print(f"{batch:>6}{length:>8}{base * 1e3:>16.2f}{ours * 1e3:>11.2f}{base / ours:>9.2f}x")
+        kv8 = kv_format.quantize(kv)  # the 8-bit cache (--kv-cache-dtype int8)
+        int8 = best_of(lambda: kernels.decode_attention(q, kv8, tables, lens, d**-0.5), args.repeat)  # noqa: B023
+        print(
+            f"{batch:>6}{length:>8}{base * 1e3:>16.2f}{ours * 1e3:>11.2f}{base / ours:>9.2f}x"
+            f"{int8 * 1e3:>12.2f}{ours / int8:>10.2f}x"
+        )
     if kernels.amx:
         _prefill_attention(kernels, arch, args)
 

@@ -86,35 +86,52 @@ using Seq = paged::PagedSeq<typename KV::Elem>;
 using paged::kPrefetchTokens;
 using paged::prefetch_bytes;
 
+// kLanes dot products q . row_i over D, summed across lanes by one transpose-and-add.
+template <int D, typename E, typename Load>
+inline F dot_rows(const float* q, const E* const* rows, Load load) {
+  F part[kLanes];
+  for (int i = 0; i < kLanes; i++) part[i] = vec::zero();
+  for (int c = 0; c < D; c += kLanes) {
+    const F qv = vec::load(q + c);
+    for (int i = 0; i < kLanes; i++) part[i] = vec::fmadd(load(rows[i] + c), qv, part[i]);
+  }
+  return vec::transpose_add(part);
+}
+
 // Pass 1: s[(h * G + g) * ls + t] = scale * q_{hk0 + h, g} . k_t for t < L (rows padded
-// to ls, a multiple of kLanes; the padding is overwritten by pass 2).
+// to ls, a multiple of kLanes; the padding is overwritten by pass 2). 8-bit keys shared by
+// several query heads are widened to float once, into an L1 tile, not once per head.
 template <typename KV, int D>
 void score_task(const float* q, const Seq<KV>& seq, int64_t L, int64_t hk0, int64_t nhk,
                 int64_t G, float scale, float* s, int64_t ls) {
   constexpr int64_t HS = KV::head_stride(D);
   const F vscale = vec::set1(scale);
+  alignas(64) float tile[KV::kScaled ? kLanes * D : 1];
+  const float* widened[kLanes];
+  for (int i = 0; i < kLanes; i++) widened[i] = tile + (KV::kScaled ? i * D : 0);
   for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
     const typename KV::Elem* key[kLanes];
     for (int i = 0; i < kLanes; i++) key[i] = seq.row(t0 + i < L ? t0 + i : L - 1) + hk0 * HS;
     for (int64_t t = t0 + kPrefetchTokens; t < t0 + kPrefetchTokens + kLanes && t < L; t++)
       prefetch_bytes(seq.row(t) + hk0 * HS, nhk * HS * sizeof(typename KV::Elem));
     for (int64_t h = 0; h < nhk; h++) {
+      const typename KV::Elem* kh[kLanes];
+      for (int i = 0; i < kLanes; i++) kh[i] = key[i] + h * HS;
       F kscale = vscale;
+      bool widen = false;
       if constexpr (KV::kScaled) {
         float ks[kLanes];
-        for (int i = 0; i < kLanes; i++) ks[i] = KV::scale(key[i] + h * HS, D);
+        for (int i = 0; i < kLanes; i++) ks[i] = KV::scale(kh[i], D);
         kscale = vec::mul(vec::load(ks), vscale);
+        widen = G > 1;
+        if (widen)
+          for (int i = 0; i < kLanes; i++)
+            for (int c = 0; c < D; c += kLanes) vec::store(tile + i * D + c, KV::load(kh[i] + c));
       }
       for (int64_t g = 0; g < G; g++) {
         const float* qh = q + ((hk0 + h) * G + g) * D;
-        F part[kLanes];
-        for (int i = 0; i < kLanes; i++) part[i] = vec::zero();
-        for (int c = 0; c < D; c += kLanes) {
-          const F qv = vec::load(qh + c);
-          for (int i = 0; i < kLanes; i++)
-            part[i] = vec::fmadd(KV::load(key[i] + h * HS + c), qv, part[i]);
-        }
-        vec::store(s + (h * G + g) * ls + t0, vec::mul(vec::transpose_add(part), kscale));
+        const F dots = widen ? dot_rows<D>(qh, widened, vec::load) : dot_rows<D>(qh, kh, KV::load);
+        vec::store(s + (h * G + g) * ls + t0, vec::mul(dots, kscale));
       }
     }
   }
