@@ -55,6 +55,12 @@ class MetricsRecorder:
         self.preemptions = Gauge(
             "pdserve_preemptions", "Preemptions since start", labels, registry=r
         )
+        self.prompt_tokens_computed = Gauge(
+            "pdserve_prompt_tokens_computed",
+            "Prompt tokens the model ran on since start (not prefix hits, not KV read)",
+            labels,
+            registry=r,
+        )
         self.handoffs = Gauge(
             "pdserve_handoffs", "Live handoffs on a prefill node by state", ["state"], registry=r
         )
@@ -104,6 +110,7 @@ class MetricsRecorder:
         self.kv_blocks_free.labels(m).set(stats.num_free_blocks)
         self.kv_blocks_held.labels(m).set(stats.num_held_blocks)
         self.preemptions.labels(m).set(stats.num_preemptions)
+        self.prompt_tokens_computed.labels(m).set(stats.num_prompt_tokens_computed)
         return generate_latest(self.registry)
 
     def request_failed(self, outcome: str) -> None:

@@ -41,6 +41,7 @@ from pdserve.api.errors import (
     ERROR_HANDLERS,
     MAX_BODY_BYTES,
     error_body,
+    error_response,
     from_exception,
     read_json,
     validate_body,
@@ -114,6 +115,9 @@ def create_app(state: ServerState) -> Starlette:
     async def admin_kv(request: Request) -> Response:
         return JSONResponse(_kv_view(state))
 
+    async def admin_prefix_cache(request: Request) -> Response:
+        return _prefix_cache_view(state, request.query_params.get("since"))
+
     async def openapi(request: Request) -> Response:
         title = f"pdserve node ({state.legs.role})"
         return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS))
@@ -126,6 +130,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/admin/kv", admin_kv, methods=["GET"]),
+            Route("/admin/prefix_cache", admin_prefix_cache, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *disagg_routes(state),
@@ -163,8 +168,24 @@ def _kv_view(state: ServerState) -> dict[str, Any]:
         "num_waiting": s.num_waiting,
         "num_loading": s.num_loading,
         "num_preemptions": s.num_preemptions,
+        "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
         **state.legs.admin_view(),
     }
+
+
+def _prefix_cache_view(state: ServerState, since: str | None) -> Response:
+    """`GET /admin/prefix_cache[?since=VERSION]`: the block hashes the prefix cache holds
+    (`kv_cache/prefix_summary.py`), or `{"version": V, "unchanged": true}` when V is still
+    current, so the proxy's polls cost little while nothing changes."""
+    index = state.client.prefix_index
+    if since is not None:
+        if not since.isdigit():
+            return error_response(
+                400, "since must be a version number", "invalid_request_error", param="since"
+            )
+        if int(since) == index.version:
+            return JSONResponse({"version": index.version, "unchanged": True})
+    return JSONResponse(index.summary().model_dump())
 
 
 async def _serve(

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
+from pdserve.kv_cache.prefix_summary import PrefixIndex
 from pdserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -78,6 +79,8 @@ class AsyncEngineClient:
         self.compute: ComputeInfo | None = None
         """What the engine computes with (dtype and why, kernels, CPU level)."""
         self.stats = EngineStats()
+        self.prefix_index = PrefixIndex(config.cache.block_size)
+        """The engine's prefix cache, as `GET /admin/prefix_cache` tells the proxy."""
         self._queues: dict[str, asyncio.Queue[RequestOutput | RequestError]] = {}
         self._abort_errors: dict[str, PdserveError] = {}
         """What `generate()` raises for a request the server aborted, until it has."""
@@ -139,6 +142,7 @@ class AsyncEngineClient:
                 continue
             message: StepOutputs = pickle.loads(await self._from_engine.recv())
             self.stats = message.stats
+            self.prefix_index.apply(message.prefix_events)
             for error in message.errors:
                 self._deliver(error.request_id, error)
             for output in message.outputs:

@@ -56,6 +56,9 @@ class EngineStats:
     """Requests waiting for a remote KV load (decode nodes)."""
     num_preemptions: int = 0
     num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    """Prompt tokens the model ran on since start: prefix-cache hits and tokens read from
+    a prefill node are not computed (what cache-aware routing saves)."""
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,6 @@ class StepOutputs:
     """User request ids whose held blocks were freed since the last message."""
     connector_stats: KVConnectorStats = NO_STATS
     """What the KV connector counted since the last message (KV reads completed)."""
+    prefix_events: list[tuple[bool, bytes]] = field(default_factory=list)
+    """Block hashes that entered (True) or left the prefix cache, in order
+    (`kv_cache/prefix_summary.py`)."""

@@ -57,6 +57,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_loading=len(sched.loading),
         num_preemptions=sched.num_preemptions,
         num_steps=engine.num_steps,
+        num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
     )
 
 
@@ -78,6 +79,7 @@ def run_engine_process(
     parent = ParentWatch()
     try:
         engine = LLMEngine(config, connector_factory)
+        engine.kv.pool.record_events = True  # the node's prefix index (prefix_summary.py)
         outbox.send(pickle.dumps(_ready(engine)))
         try:
             _loop(engine, inbox, outbox, parent)
@@ -132,15 +134,22 @@ def _loop(engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent: Pare
         replies.outputs += engine.step() if engine.has_unfinished() else engine.tick()
         stats = engine_stats(engine)
         connector_stats = engine.connector.take_stats()
+        prefix_events = engine.kv.pool.take_events()
         if (
             replies.outputs
             or replies.errors
             or replies.freed_held
             or not connector_stats.is_empty
+            or prefix_events
             or stats != last_stats
         ):
             message = StepOutputs(
-                replies.outputs, replies.errors, stats, replies.freed_held, connector_stats
+                replies.outputs,
+                replies.errors,
+                stats,
+                replies.freed_held,
+                connector_stats,
+                prefix_events,
             )
             outbox.send(pickle.dumps(message))
             last_stats = stats

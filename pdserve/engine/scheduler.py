@@ -90,6 +90,7 @@ class Scheduler:
         self.held: set[str] = set()
         """Finished requests whose blocks the connector keeps pinned."""
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
 
     # -- admission and abort ---------------------------------------------------------
 
@@ -213,6 +214,9 @@ class Scheduler:
             request = entry.request
             if request.is_finished:  # finished during the step (abort): drop the result
                 continue
+            start = entry.num_context_tokens
+            prompt_end = min(start + entry.num_new_tokens, request.num_prompt_tokens)
+            self.num_prompt_tokens_computed += max(prompt_end - start, 0)
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_full_blocks(
                 request.request_id, request.token_ids, request.num_computed_tokens

@@ -15,6 +15,10 @@ start of a prefix (the part most likely shared) is evicted last.
 
 `num_free_blocks` counts every block with ref_count 0, cached or not; when the engine is
 idle it equals the pool size (invariant 1 of the design).
+
+With `record_events` on (a serving node), every hash that enters or leaves the prefix
+cache is also queued for `take_events`: the API process keeps an index of them that the
+proxy routes by (`kv_cache/prefix_summary.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.record_events = False
+        self._events: list[tuple[bool, BlockHash]] = []
+        """(stored, hash) in order, while `record_events` is on."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +71,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.record_events:
+                    self._events.append((False, block.block_hash))
                 block.block_hash = None
             block.ref_count = 1
             out.append(block)
@@ -95,6 +104,16 @@ class BlockPool:
         if block_hash not in self._cached:  # an identical block is already cached: keep that one
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self.record_events:
+                self._events.append((True, block_hash))
+
+    def take_events(self) -> list[tuple[bool, BlockHash]]:
+        """The prefix cache's changes since the last call: (stored, hash), oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
 
     def num_evictable_among(self, blocks: Iterable[KVBlock]) -> int:
         """How many of `blocks` sit in the free queue (touching them shrinks it)."""

@@ -263,6 +263,16 @@ def read_arch(model: str) -> ModelArch:
     return open_gguf(path).arch()
 
 
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The model's tokenizer alone, no weights (the proxy hashes prompts with it)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _optional_hf_tokenizer(path, ModelArch.from_hf_config(_read_config(path)))
+    from pdserve.model.gguf_file import open_gguf
+
+    return open_gguf(path).tokenizer()
+
+
 def build_model(
     arch: ModelArch,
     max_model_len: int,

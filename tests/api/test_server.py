@@ -327,3 +327,30 @@ def test_metrics_use_vllm_names_and_count_tokens(server: Server, client: openai.
     )
     assert gained == 5
     assert _metric(after, 'pdserve_requests_total{model_name="default",outcome="finished"}') >= 1
+
+
+def test_prefix_cache_summary_names_the_blocks_a_prompt_left(server: Server) -> None:
+    """What the proxy routes by: after a prompt ran, the node's summary holds its full
+    blocks, hashed from token ids as the proxy hashes them, and no more."""
+    from pdserve.kv_cache.prefix_summary import parse_summary, prompt_chain
+    from pdserve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    assert tokenizer is not None
+    prompt = "A prefix summary test. " * 40  # several 64-token blocks
+    ids = tokenizer.encode(prompt)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server.url}/admin/prefix_cache"
+    assert _post(server, COMPLETIONS, {"prompt": prompt, "max_tokens": 1}).status_code == 200
+    summary = httpx.get(url, headers=headers, timeout=5).json()
+    cached = parse_summary(summary)
+    full_blocks = (len(ids) - 1) // cached.block_size
+    assert cached.num_cached_tokens(prompt_chain(ids, cached.block_size)) == (
+        full_blocks * cached.block_size
+    )
+    other = tokenizer.encode("Nothing like it was ever sent. " * 20)
+    assert cached.num_cached_tokens(prompt_chain(other, cached.block_size)) == 0
+    again = httpx.get(url, params={"since": summary["version"]}, headers=headers, timeout=5)
+    assert again.json() == {"version": summary["version"], "unchanged": True}
+    _assert_error(httpx.get(url, params={"since": "x"}, headers=headers, timeout=5), 400, "since")
+    _assert_error(httpx.get(url, timeout=5), 401)

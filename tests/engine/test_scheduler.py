@@ -679,6 +679,16 @@ def test_prefix_shared_with_a_running_request_is_freed_once_both_finish() -> Non
     assert_idle(scheduler)
 
 
+def test_prompt_tokens_computed_leave_out_prefix_hits_and_chunks_count_once() -> None:
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=8)
+    scheduler.add_request(make_request(18, max_tokens=3, request_id="first"))  # 3 chunks
+    run_until_done(scheduler)
+    assert scheduler.num_prompt_tokens_computed == 18  # decode steps add nothing
+    scheduler.add_request(make_request(18, max_tokens=1, request_id="second"))
+    run_until_done(scheduler)
+    assert scheduler.num_prompt_tokens_computed == 18 + 2  # 16 were prefix hits
+
+
 def test_prefix_caching_disabled_recomputes_everything() -> None:
     scheduler = make_scheduler(enable_prefix_caching=False)
     for rid in ("first", "second"):
