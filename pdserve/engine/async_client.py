@@ -27,7 +27,6 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.kv_cache.prefix_summary import PrefixIndex
 from pdserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -47,6 +46,7 @@ from pdserve.engine.kv_connector import (
     KVTransferSpec,
 )
 from pdserve.errors import KVTransferError, PdserveError, RequestAbortedError, StatusError
+from pdserve.kv_cache.prefix_summary import PrefixIndex
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
