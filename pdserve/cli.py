@@ -159,6 +159,7 @@ def _proxy(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.proxy.app import ProxyState, run_proxy
+    from pdserve.proxy.routing import routing_options
 
     api_key = args.api_key or envs.api_key()
     config = ProxyConfig(
@@ -172,6 +173,8 @@ def _proxy(args: argparse.Namespace) -> int:
         decode_timeout_s=args.decode_timeout_s,
         health_interval_s=args.health_interval_s,
         parent_pid=args.parent_pid,
+        model=None if args.model == "none" else args.model,
+        **routing_options(args),
     )
     seams = Seams(between_legs_s=args.debug_delay_between_legs_s)
     asyncio.run(run_proxy(ProxyState(config, seams)))
@@ -310,6 +313,15 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
         "tokens); an answer that keeps coming is never cut",
     )
     prx.add_argument("--health-interval-s", type=float, default=ProxyConfig.health_interval_s)
+    prx.add_argument(
+        "--model",
+        default="default",
+        help="the nodes' model: its tokenizer hashes prompts for cache-aware routing "
+        "(none: no tokenizer; routing by load alone)",
+    )
+    from pdserve.proxy.routing import add_routing_args
+
+    add_routing_args(prx)
     add_parent_pid_arg(prx)
     add_log_level_arg(prx)
     prx.add_argument(

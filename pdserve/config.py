@@ -9,6 +9,7 @@ in one place, `pdserve.envs`.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
@@ -158,6 +159,14 @@ class ServerConfig:
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
 
 
+class RoutingPolicy(enum.Enum):
+    """How the proxy picks a node for a leg (`proxy/routing.py`)."""
+
+    LEAST_LOADED = "least-loaded"
+    CACHE_AWARE = "cache-aware"
+    ROUND_ROBIN = "round-robin"
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """The P/D proxy (`pdserve proxy`, `pdserve up`)."""
@@ -178,9 +187,27 @@ class ProxyConfig:
     """The longest silence of a decode leg: connecting, until its first token, and between
     two chunks of its stream (every leg streams). Never a bound on the answer's length."""
     health_interval_s: float = 1.0
-    """Between two health checks of every node."""
+    """Between two health checks of every node (and polls of their prefix summaries)."""
     parent_pid: int | None = None
     """Stop once this process is gone."""
+    model: str | None = "default"
+    """The nodes' model, for its tokenizer: the proxy hashes prompts as the nodes do. None:
+    no tokenizer, so no cache-aware choice and no selective P/D (load alone)."""
+    prefill_routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    decode_routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    disagg_min_tokens: int = 0
+    """A request whose prompt has fewer tokens than this that the chosen decode node does
+    not cache runs whole on that node, without a prefill leg. 0 (the default until
+    `pdserve bench routing` has measured where P/D starts to pay on each CPU class):
+    every request takes both legs."""
+    max_concurrency: int = 256
+    """Client requests in flight through the proxy (streams until they end); more wait."""
+    max_queue: int = 256
+    """Requests waiting for a slot; one more is answered 429 at once."""
+    max_queue_wait_s: float = 5.0
+    """The longest a request waits for a slot before its 429."""
+    max_concurrency_per_key: int = 0
+    """Requests in flight per API key (bearer token); 0: no per-key limit."""
 
     def __post_init__(self) -> None:
         _require(bool(self.prefill_urls), "at least one prefill node is needed")
@@ -189,3 +216,14 @@ class ProxyConfig:
         for name in ("prefill_timeout_s", "decode_timeout_s", "health_interval_s"):
             value = getattr(self, name)
             _require(value > 0, f"{name} must be > 0, got {value}")
+        for name in ("max_concurrency", "max_queue_wait_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"{name} must be > 0, got {value}")
+        for name in ("disagg_min_tokens", "max_queue", "max_concurrency_per_key"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{name} must be >= 0, got {value}")
+        wants_tokens = RoutingPolicy.CACHE_AWARE in (self.prefill_routing, self.decode_routing)
+        _require(
+            self.model is not None or not wants_tokens,
+            "cache-aware routing needs the nodes' model (--model) for its tokenizer",
+        )

@@ -1,7 +1,9 @@
 """`pdserve proxy`: the OpenAI API in front of prefill and decode nodes.
 
-Life of the proxy: start (health checks begin; every node is presumed up until checks
-or calls say otherwise) → serve: each completion runs its two legs (`legs.py`) →
+Life of the proxy: start (the model's tokenizer is loaded for routing; health checks and
+prefix-summary polls begin; every node is presumed up until checks or calls say
+otherwise) → serve: each completion passes admission (`admission.py`: 429 beyond
+capacity), is routed (`routing.py`) and runs its legs (`legs.py`) →
 SIGINT/SIGTERM: stop accepting, let uvicorn close connections (open streams are closed,
 which aborts their decode legs), stop the health checks, close the connection pool.
 """
@@ -33,8 +35,10 @@ from pdserve.api.errors import ERROR_HANDLERS, error_response
 from pdserve.api.openapi import openapi_document
 from pdserve.config import ProxyConfig
 from pdserve.parent_watch import ParentWatch
+from pdserve.proxy.admission import Admission, AdmissionGate
 from pdserve.proxy.legs import Stage, serve_request
-from pdserve.proxy.pool import BackendPool, check_health
+from pdserve.proxy.pool import BackendPool, BreakerState, check_health
+from pdserve.proxy.routing import Router, make_router
 from pdserve.seams import NO_SEAMS, Seams
 
 logger = logging.getLogger(__name__)
@@ -77,6 +81,42 @@ class ProxyMetrics:
             ["role", "url"],
             registry=r,
         )
+        self.backend_breaker_open = Gauge(
+            "pdserve_proxy_backend_breaker_open",
+            "1 if the node's circuit breaker is open or half-open",
+            ["role", "url"],
+            registry=r,
+        )
+        self.backend_cached_blocks = Gauge(
+            "pdserve_proxy_backend_cached_blocks",
+            "Blocks in the node's latest prefix-cache summary",
+            ["role", "url"],
+            registry=r,
+        )
+        self.malformed_summaries = Gauge(
+            "pdserve_proxy_malformed_summaries",
+            "Prefix-cache summaries from the node that did not parse (ignored)",
+            ["role", "url"],
+            registry=r,
+        )
+        self.routed = Counter(
+            "pdserve_proxy_routed", "Legs sent, by leg and policy", ["leg", "policy"], registry=r
+        )
+        self.paths = Counter(
+            "pdserve_proxy_disaggregation",
+            "Requests by path: pd (both legs) or decode_only (run whole on a decode node)",
+            ["path"],
+            registry=r,
+        )
+        for path in ("pd", "decode_only"):
+            self.paths.labels(path)
+        self.rejected = Counter(
+            "pdserve_proxy_rejected", "Requests answered 429, by reason", ["reason"], registry=r
+        )
+        self.waiting = Gauge("pdserve_proxy_waiting", "Requests waiting for a slot", registry=r)
+        self.in_flight = Gauge(
+            "pdserve_proxy_in_flight", "Requests admitted, not ended", registry=r
+        )
 
 
 @dataclass
@@ -85,6 +125,8 @@ class ProxyState:
     seams: Seams = NO_SEAMS
     prefill: BackendPool = field(init=False)
     decode: BackendPool = field(init=False)
+    router: Router = field(init=False)
+    admission: Admission = field(init=False)
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     departures: deque[dict[str, object]] = field(
         default_factory=lambda: deque(maxlen=NUM_DEPARTURES_KEPT)
@@ -98,6 +140,8 @@ class ProxyState:
     def __post_init__(self) -> None:
         self.prefill = BackendPool("prefill", self.config.prefill_urls)
         self.decode = BackendPool("decode", self.config.decode_urls)
+        self.router = make_router(self.config)
+        self.admission = Admission(self.config)
 
     @property
     def node_headers(self) -> dict[str, str]:
@@ -135,10 +179,17 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         )
 
     async def metrics(request: Request) -> Response:
+        m = state.metrics
         for pool in (state.prefill, state.decode):
             for b in pool.backends:
-                state.metrics.backend_up.labels(b.role, b.url).set(int(b.up))
-                state.metrics.backend_outstanding.labels(b.role, b.url).set(b.num_outstanding)
+                m.backend_up.labels(b.role, b.url).set(int(b.up))
+                m.backend_outstanding.labels(b.role, b.url).set(b.num_outstanding)
+                open_ = b.breaker.state is not BreakerState.CLOSED
+                m.backend_breaker_open.labels(b.role, b.url).set(int(open_))
+                m.backend_cached_blocks.labels(b.role, b.url).set(len(b.cached.hashes))
+                m.malformed_summaries.labels(b.role, b.url).set(b.malformed_summaries)
+        m.waiting.set(state.admission.num_waiting)
+        m.in_flight.set(state.admission.line.in_flight)
         return Response(
             generate_latest(state.metrics.registry),
             media_type="text/plain; version=0.0.4; charset=utf-8",
@@ -163,7 +214,11 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         lifespan=functools.partial(_lifespan, state),
         exception_handlers=ERROR_HANDLERS,
     )
-    app.add_middleware(BearerAuth, api_key=state.config.api_key)
+    reject = state.metrics.rejected.labels
+    app.add_middleware(
+        AdmissionGate, admission=state.admission, on_reject=lambda reason: reject(reason).inc()
+    )
+    app.add_middleware(BearerAuth, api_key=state.config.api_key)  # outermost: 401 before 429
     return app
 
 
@@ -187,7 +242,12 @@ async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
     state.http = httpx.AsyncClient(limits=limits)
     pools = [state.prefill, state.decode]
-    checker = asyncio.create_task(check_health(pools, state.http, state.config.health_interval_s))
+    summaries = state.router.reads_prompts
+    checker = asyncio.create_task(
+        check_health(
+            pools, state.http, state.config.health_interval_s, state.node_headers, summaries
+        )
+    )
     try:
         yield
     finally:

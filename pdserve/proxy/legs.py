@@ -2,14 +2,17 @@
 pair can end. The proxy is the only component that sees the client between the legs.
 
     parse the body (400)
-    prefill leg on the least loaded prefill node: non-streaming, 1 token, do_remote_decode
+    route (`routing.py`): a request whose prompt the chosen decode node would compute
+        fewer than `disagg_min_tokens` of runs whole there, as the decode leg below without
+        a handoff; every other takes both legs
+    prefill leg on the routed prefill node: non-streaming, 1 token, do_remote_decode
         with a release token the proxy mints for this attempt
         client gone → the leg is cancelled and released by its token (S1/S2)
         timeout, broken connection → released by its token; a fresh attempt on another
             prefill node (S17/S19), as after a 5xx or an unreachable node
         4xx → the same error to the client
     client gone now → release the handoff with its release token (S3)
-    decode leg on the least loaded decode node, with the prefill answer's kv_transfer_params,
+    decode leg on the routed decode node, with the prefill answer's kv_transfer_params,
     always streamed (a non-streaming client's answer is assembled from the stream, so the
     decode timeout bounds the silence between tokens, not the answer's length)
         unreachable → another decode node (the handoff is still held), else release + 503
@@ -26,6 +29,9 @@ that id and the attempt's token, never by waiting for the node to notice: the no
 tell an answer that is in flight when the proxy gives up from one that was delivered, and
 without the token the proxy cannot name a handoff whose answer it never read. The token,
 not the id, picks the handoff: client-chosen ids need not be unique (S14).
+
+Each leg's outcome feeds its node's circuit breaker (`pool.py`): a 5xx, a timeout or a
+broken connection counts against it, any other answer for it.
 
 A client that leaves is recorded with the `Stage` the proxy was in when it noticed
 (`/admin/departures`, `pdserve_proxy_departures_total`): what its cancel hit.
@@ -54,6 +60,7 @@ from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, r
 from pdserve.errors import PdserveError
 from pdserve.proxy.assembler import StreamAssembler
 from pdserve.proxy.pool import Backend, BackendPool
+from pdserve.proxy.routing import Prompt
 from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -121,7 +128,13 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         return body
     client = _Client(request)
     try:
-        prefill = await _prefill_leg(state, client, path, body)
+        prompt = state.router.prompt(body, chat=path == "/v1/chat/completions")
+        decode = state.router.choose(state.decode, prompt)
+        if decode is not None and state.router.runs_whole(decode, prompt):
+            state.metrics.paths.labels("decode_only").inc()
+            return await _decode_leg(state, client, path, body, _Held(), {}, prompt, decode)
+        state.metrics.paths.labels("pd").inc()
+        prefill = await _prefill_leg(state, client, path, body, prompt)
         if isinstance(prefill, Response):
             return prefill
         backend, answer = prefill
@@ -134,10 +147,12 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         client.stage = Stage.BETWEEN_LEGS
         if state.seams.between_legs_s:
             await asyncio.sleep(state.seams.between_legs_s)
+        held = _Held(state, backend, kv)
         if client.gone or await request.is_disconnected():  # S3: gone between the legs
-            await release_handoff(state, backend, kv)
+            await held.release()
             raise ClientGone
-        return await _decode_leg(state, client, path, body, backend, answer)
+        usage = answer.get("usage") or {}
+        return await _decode_leg(state, client, path, body, held, usage, prompt, None)
     except ClientGone:
         state.record_departure(client.request_id, client.stage)
         state.metrics.requests.labels("client_gone").inc()
@@ -164,7 +179,7 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
 
 
 async def _prefill_leg(
-    state: ProxyState, client: _Client, path: str, body: dict[str, Any]
+    state: ProxyState, client: _Client, path: str, body: dict[str, Any], prompt: Prompt | None
 ) -> tuple[Backend, dict[str, Any]] | Response:
     leg = {**body, "max_tokens": 1, "stream": False}
     leg.pop("stream_options", None)
@@ -173,7 +188,7 @@ async def _prefill_leg(
     last_error: Response = error_response(
         503, "no prefill node is available", "service_unavailable"
     )
-    for backend in _attempts(state, state.prefill):
+    for backend in _attempts(state, state.prefill, prompt):
         token = secrets.token_urlsafe(24)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "release_token": token}
         started = time.perf_counter()
@@ -188,13 +203,16 @@ async def _prefill_leg(
                 state.spawn(release(state, backend, client.request_id, token))
             if isinstance(e, ClientGone):
                 raise
+            backend.record_leg(False)
             if isinstance(e, Unreachable):
                 backend.record(False)
             logger.warning("prefill leg on %s failed: %s", backend.url, e)
             last_error = _upstream_failure(backend, e)
             continue
         state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
+        backend.record_leg(status < 500)
         if status == 200:
+            state.router.sent(backend, prompt)
             return backend, json.loads(content)
         last_error = _forward_error(status, content)
         if status < 500:
@@ -216,22 +234,41 @@ async def _post(
 # -- the decode leg -------------------------------------------------------------------------
 
 
+class _Held:
+    """The handoff a decode leg reads, let go if the leg will not (none: a request that
+    runs whole on the decode node)."""
+
+    def __init__(
+        self,
+        state: ProxyState | None = None,
+        prefill: Backend | None = None,
+        kv: dict[str, Any] | None = None,
+    ) -> None:
+        self.state, self.prefill, self.kv = state, prefill, kv
+
+    async def release(self) -> None:
+        if self.state is not None and self.prefill is not None and self.kv is not None:
+            await release_handoff(self.state, self.prefill, self.kv)
+
+
 async def _decode_leg(
     state: ProxyState,
     client: _Client,
     path: str,
     body: dict[str, Any],
-    prefill: Backend,
-    answer: dict[str, Any],
+    held: _Held,
+    prefill_usage: dict[str, Any],
+    prompt: Prompt | None,
+    first: Backend | None,
 ) -> Response:
-    kv = answer["kv_transfer_params"]
-    leg = {**body, "kv_transfer_params": kv}
+    """The decode leg (with `held.kv`), or the whole request on a decode node (without);
+    `first`: the node routing already chose."""
+    leg = {**body} if held.kv is None else {**body, "kv_transfer_params": held.kv}
     if not body.get("stream"):  # read as a stream all the same: see `_decode_answer`
         leg.update(stream=True, stream_options={"include_usage": True})
     payload = json.dumps(leg).encode()
-    prefill_usage = answer.get("usage") or {}
     client.stage = Stage.DECODE
-    for backend in _attempts(state, state.decode):
+    for backend in _attempts(state, state.decode, prompt, first):
         started = time.perf_counter()
         try:
             send = backend.post_json(
@@ -239,36 +276,34 @@ async def _decode_leg(
             )
             response = await client.unless_gone(send)
         except (ClientGone, UpstreamError) as e:
+            if not isinstance(e, ClientGone):
+                backend.record_leg(False)
             if isinstance(e, Unreachable):
                 logger.warning("decode node unreachable: %s", e)
                 backend.record(False)
                 continue  # never reached the node: the handoff is still held for another
-            await release_handoff(state, prefill, kv)
+            await held.release()
             if isinstance(e, ClientGone):
                 raise
             state.metrics.requests.labels("upstream_error").inc()
             return _upstream_failure(backend, e)
+        backend.record_leg(response.status < 500)
         if response.status != 200:
-            return await _decode_refused(state, backend, response, prefill, kv)
+            return await _decode_refused(state, response, held)
+        state.router.sent(backend, prompt)
         if body.get("stream"):
             return StreamingResponse(
                 _relay_stream(state, client.request_id, backend, response, prefill_usage, started),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _decode_answer(state, client, backend, response, prefill, answer, started)
-    await release_handoff(state, prefill, kv)
+        return await _decode_answer(state, client, backend, response, held, prefill_usage, started)
+    await held.release()
     state.metrics.requests.labels("upstream_error").inc()
     return error_response(503, "no decode node is available", "service_unavailable")
 
 
-async def _decode_refused(
-    state: ProxyState,
-    backend: Backend,
-    response: UpstreamResponse,
-    prefill: Backend,
-    kv: dict[str, Any],
-) -> Response:
+async def _decode_refused(state: ProxyState, response: UpstreamResponse, held: _Held) -> Response:
     """An error status from the decode node: released, and forwarded as it came."""
     try:
         content = await response.read()
@@ -276,7 +311,7 @@ async def _decode_refused(
         content = b""
     finally:
         response.close()
-    await release_handoff(state, prefill, kv)
+    await held.release()
     state.metrics.requests.labels("upstream_error").inc()
     return _forward_error(response.status, content)
 
@@ -286,8 +321,8 @@ async def _decode_answer(
     client: _Client,
     backend: Backend,
     response: UpstreamResponse,
-    prefill: Backend,
-    prefill_answer: dict[str, Any],
+    held: _Held,
+    prefill_usage: dict[str, Any],
     started: float,
 ) -> Response:
     """A non-streaming client's answer, assembled from the decode leg's stream: the
@@ -298,7 +333,8 @@ async def _decode_answer(
     try:
         data = await client.unless_gone(_read_answer(response))
     except UpstreamError as e:
-        await release_handoff(state, prefill, prefill_answer["kv_transfer_params"])
+        backend.record_leg(False)
+        await held.release()
         state.metrics.requests.labels("upstream_error").inc()
         return _upstream_failure(backend, e)
     finally:
@@ -308,7 +344,7 @@ async def _decode_answer(
         state.metrics.requests.labels("upstream_error").inc()
         return _stream_error(data.error or {})
     if isinstance(data.get("usage"), dict):
-        data["usage"] = merge_usage(prefill_answer.get("usage") or {}, data["usage"])
+        data["usage"] = merge_usage(prefill_usage, data["usage"])
     state.metrics.requests.labels("ok").inc()
     return JSONResponse(data)
 
@@ -369,6 +405,7 @@ async def _relay_stream(
         outcome = "upstream_error" if failed else "ok"
     except UpstreamError as e:  # the node died mid-stream: end the stream with an error
         outcome = "upstream_error"
+        backend.record_leg(False)
         error = {
             "error": {
                 "message": f"decode node {backend.url}: {e}",
@@ -423,13 +460,18 @@ def _leg_headers(state: ProxyState, client: _Client) -> dict[str, str]:
     return {**state.node_headers, "x-request-id": client.request_id}
 
 
-def _attempts(state: ProxyState, pool: BackendPool) -> Iterator[Backend]:
-    """The nodes to try for one leg, best first, each at most once; every one after the
-    first counts as a retry."""
+def _attempts(
+    state: ProxyState, pool: BackendPool, prompt: Prompt | None, first: Backend | None = None
+) -> Iterator[Backend]:
+    """The nodes to try for one leg, routed (`first` when routing already chose), each at
+    most once; every one after the first counts as a retry."""
     tried: set[str] = set()
-    while (backend := pool.choose(tried)) is not None:
+    policy = state.router.policies[pool.role].value
+    while (backend := first or state.router.choose(pool, prompt, tried)) is not None:
+        first = None
         if tried:
             state.metrics.retries.labels(pool.role).inc()
+        state.metrics.routed.labels(pool.role, policy).inc()
         tried.add(backend.url)
         yield backend
 

@@ -1,21 +1,40 @@
-"""The proxy's view of its nodes: health with hysteresis, load, and the choice of a node.
+"""The proxy's view of its nodes: health with hysteresis, a circuit breaker, load, and
+what each node's prefix cache holds.
 
 A backend starts up (the proxy may start before its nodes; the first failed call or
 check counts against it). `DOWN_AFTER` consecutive failures — failed health checks or
 requests that could not reach it — mark it down; `UP_AFTER` consecutive successful health
-checks mark it up again. `choose` picks the up backend with the fewest requests in flight
-from this proxy, then the lowest KV usage reported by its `/metrics`.
+checks mark it up again.
+
+Legs also feed each node's circuit breaker, which catches a node that answers its health
+checks but fails its requests (5xx, timeouts, broken streams):
+
+    closed ──BREAK_AFTER failed legs in a row──▶ open ──BREAK_S later──▶ half-open
+      ▲                                           ▲                        │ one leg (probe)
+      └────────────── the probe succeeds ─────────┼────────────────────────┤
+                                                  └──── the probe fails ───┘
+
+A node is a candidate while it is up and its breaker lets a leg through (`available`).
+`routing.py` chooses among candidates; `choose` here (least loaded) serves the rest.
+
+The health checks also poll each node's `/admin/prefix_cache?since=V` (cheap while
+nothing changed). A summary that does not parse is ignored, counted in
+`malformed_summaries` and logged once per node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import Iterable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.kv_cache.prefix_summary import EMPTY, CachedPrefixes, MalformedSummary, parse_summary
 from pdserve.proxy.upstream import Node, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -23,6 +42,53 @@ logger = logging.getLogger(__name__)
 DOWN_AFTER = 2
 UP_AFTER = 2
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
+NUM_RECENT_KEPT = 256
+BREAK_AFTER = 5
+BREAK_S = 5.0
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass
+class Breaker:
+    """One node's circuit breaker (diagram above); `clock` is injectable for tests."""
+
+    clock: Callable[[], float] = time.monotonic
+    state: BreakerState = BreakerState.CLOSED
+    num_failures: int = 0
+    _opened_s: float = 0.0
+    _probe_s: float | None = None
+
+    def allows(self) -> bool:
+        """Whether a leg may go to the node now (a half-open breaker: one probe at a time;
+        a probe that never reported back counts as ended after BREAK_S)."""
+        now = self.clock()
+        if self.state is BreakerState.OPEN and now - self._opened_s >= BREAK_S:
+            self.state, self._probe_s = BreakerState.HALF_OPEN, None
+        if self.state is BreakerState.HALF_OPEN:
+            return self._probe_s is None or now - self._probe_s >= BREAK_S
+        return self.state is BreakerState.CLOSED
+
+    def sent(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_s = self.clock()
+
+    def record(self, ok: bool) -> bool:
+        """A leg's outcome; True when it opened the breaker."""
+        if ok:
+            self.state, self.num_failures = BreakerState.CLOSED, 0
+            return False
+        self.num_failures += 1
+        if self.state is BreakerState.HALF_OPEN or (
+            self.state is BreakerState.CLOSED and self.num_failures >= BREAK_AFTER
+        ):
+            self.state, self._opened_s = BreakerState.OPEN, self.clock()
+            return True
+        return False
 
 
 @dataclass
@@ -37,6 +103,14 @@ class Backend:
     _successes: int = 0
     upstream: Node = field(init=False)
     """Keep-alive connections for the legs."""
+    breaker: Breaker = field(default_factory=Breaker)
+    cached: CachedPrefixes = EMPTY
+    """The node's prefix cache, from its latest summary."""
+    malformed_summaries: int = 0
+    _recent: deque[tuple[float, Sequence[int]]] = field(
+        default_factory=lambda: deque(maxlen=NUM_RECENT_KEPT)
+    )
+    """(when, token ids) of prompts sent: cached there soon, maybe not yet summarized."""
 
     def __post_init__(self) -> None:
         self.upstream = Node(self.url)
@@ -47,6 +121,7 @@ class Backend:
         """POST a leg through this node's connections. It counts in `num_outstanding` from
         now until its response is closed, or until the POST fails."""
         self.num_outstanding += 1
+        self.breaker.sent()
         try:
             response = await self.upstream.post_json(path, body, headers, timeout_s)
         except BaseException:
@@ -58,6 +133,36 @@ class Backend:
     def _request_ended(self) -> None:
         self.num_outstanding -= 1
 
+    def available(self) -> bool:
+        return self.up and self.breaker.allows()
+
+    def record_leg(self, ok: bool) -> None:
+        """A leg's outcome for the breaker: False for a 5xx, a timeout, a broken leg."""
+        if self.breaker.record(ok):
+            logger.warning("%s node %s: circuit open after failed legs", self.role, self.url)
+
+    def remember(self, token_ids: Sequence[int], now_s: float) -> None:
+        self._recent.append((now_s, token_ids))
+
+    def recent_prompts(self, since_s: float) -> list[Sequence[int]]:
+        """Prompts sent to the node since `since_s` (older ones are forgotten)."""
+        while self._recent and self._recent[0][0] < since_s:
+            self._recent.popleft()
+        return [token_ids for _, token_ids in self._recent]
+
+    def take_summary(self, data: object) -> None:
+        """A `/admin/prefix_cache` body: a new summary, `unchanged`, or junk (ignored)."""
+        if isinstance(data, dict) and data.get("unchanged") is True:
+            return
+        try:
+            self.cached = parse_summary(data)
+        except MalformedSummary as e:
+            self.malformed_summaries += 1
+            if self.malformed_summaries == 1:
+                logger.warning(
+                    "%s node %s: malformed prefix summary ignored: %s", self.role, self.url, e
+                )
+
     def record(self, ok: bool) -> None:
         if ok:
             self._failures, self._successes = 0, self._successes + 1
@@ -68,6 +173,8 @@ class Backend:
             self._failures, self._successes = self._failures + 1, 0
             if self.up and self._failures >= DOWN_AFTER:
                 self.up = False
+                self.cached = EMPTY  # a node that comes back is empty
+                self._recent.clear()
                 logger.warning("%s node %s is down", self.role, self.url)
 
 
@@ -77,7 +184,7 @@ class BackendPool:
         self.backends = [Backend(url.rstrip("/"), role) for url in urls]
 
     def choose(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
-        candidates = [b for b in self.backends if b.up and b.url not in exclude]
+        candidates = [b for b in self.backends if b.available() and b.url not in exclude]
         if not candidates:
             return None
         return min(candidates, key=lambda b: (b.num_outstanding, b.kv_usage))
@@ -88,26 +195,54 @@ class BackendPool:
 
 
 async def check_health(
-    pools: list[BackendPool], http: httpx.AsyncClient, interval_s: float, metrics_every: int = 5
+    pools: list[BackendPool],
+    http: httpx.AsyncClient,
+    interval_s: float,
+    headers: dict[str, str],
+    summaries: bool,
+    metrics_every: int = 5,
 ) -> None:
-    """Forever: GET /health of every backend each `interval_s`, /metrics every few rounds."""
+    """Forever: GET /health of every backend each `interval_s` (and its prefix summary
+    with `summaries`), /metrics every few rounds."""
     round_ = 0
     while True:
         backends = [b for pool in pools for b in pool.backends]
-        await asyncio.gather(*(_check(b, http, round_ % metrics_every == 0) for b in backends))
+        scrape = round_ % metrics_every == 0
+        await asyncio.gather(*(_check(b, http, scrape, headers, summaries) for b in backends))
         round_ += 1
         await asyncio.sleep(interval_s)
 
 
-async def _check(backend: Backend, http: httpx.AsyncClient, scrape: bool) -> None:
+async def _check(
+    backend: Backend, http: httpx.AsyncClient, scrape: bool, headers: dict[str, str],
+    summaries: bool,
+) -> None:  # fmt: skip
     try:
         response = await http.get(f"{backend.url}/health", timeout=2.0)
         backend.record(response.status_code == 200)
-        if scrape and response.status_code == 200:
+        if response.status_code != 200:
+            return
+        if scrape:
             metrics = await http.get(f"{backend.url}/metrics", timeout=2.0)
             backend.kv_usage = _kv_usage(metrics.text)
+        if summaries:
+            await _poll_summary(backend, http, headers)
     except httpx.HTTPError:
         backend.record(False)
+
+
+async def _poll_summary(backend: Backend, http: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    params = {"since": str(backend.cached.version)} if backend.cached.version >= 0 else {}
+    response = await http.get(
+        f"{backend.url}/admin/prefix_cache", params=params, headers=headers, timeout=2.0
+    )
+    if response.status_code == 404:
+        return  # a node without summaries (another server): routed by load alone
+    try:
+        data = response.json() if response.status_code == 200 else None
+    except ValueError:
+        data = None
+    backend.take_summary(data)
 
 
 def _kv_usage(text: str) -> float:

@@ -23,6 +23,7 @@ from pdserve import logs
 from pdserve.config import ModelConfig, ProxyConfig
 from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
+from pdserve.proxy.routing import add_routing_args, routing_options
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--ask", default=None, help="send this chat message, print the answer, stop")
     up.add_argument("--max-tokens", type=int, default=64, help="for --ask")
+    add_routing_args(up)
     up.add_argument(
         "--log-level",
         default=None,
@@ -106,6 +108,8 @@ async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) 
         port=args.port,
         api_key=args.api_key,
         node_api_key=args.api_key,
+        model=args.model,
+        **routing_options(args),
     )
     server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
     serving = asyncio.create_task(server.serve())

@@ -65,3 +65,64 @@ def test_usage_combines_prompt_and_cache_of_the_prefill_leg_with_the_decode_comp
         "prompt_tokens_details": {"cached_tokens": 32},
     }
     assert merge_usage({}, {"prompt_tokens": 5, "completion_tokens": 2})["total_tokens"] == 7
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_breaker_opens_after_failed_legs_probes_once_and_closes_on_success() -> None:
+    from pdserve.proxy.pool import BREAK_AFTER, BREAK_S, Breaker, BreakerState
+
+    clock = FakeClock()
+    breaker = Breaker(clock)
+    for _ in range(BREAK_AFTER - 1):
+        breaker.record(False)
+    breaker.record(True)  # a success resets the count
+    for _ in range(BREAK_AFTER - 1):
+        assert not breaker.record(False)
+    assert breaker.record(False) and not breaker.allows()
+    clock.now += BREAK_S
+    assert breaker.allows() and breaker.state is BreakerState.HALF_OPEN
+    breaker.sent()  # the probe
+    assert not breaker.allows()  # one probe at a time
+    assert breaker.record(False) and not breaker.allows()  # it failed: open again
+    clock.now += BREAK_S
+    assert breaker.allows()
+    breaker.sent()
+    clock.now += BREAK_S  # a probe that never reported back stops blocking
+    assert breaker.allows()
+    breaker.record(True)
+    assert breaker.state is BreakerState.CLOSED and breaker.allows()
+
+
+def test_an_open_breaker_takes_the_node_out_of_the_choice() -> None:
+    from pdserve.proxy.pool import BREAK_AFTER
+
+    pool = BackendPool("decode", ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    a, b = pool.backends
+    b.num_outstanding = 3
+    for _ in range(BREAK_AFTER):
+        a.record_leg(False)
+    assert a.up and pool.choose() is b  # healthy by its checks, but failing its legs
+
+
+def test_a_malformed_summary_is_ignored_and_counted_and_a_node_that_goes_down_forgets() -> None:
+    from pdserve.kv_cache.prefix_summary import PrefixIndex
+
+    node = BackendPool("prefill", ["http://127.0.0.1:1"]).backends[0]
+    index = PrefixIndex(16)
+    index.apply([(True, b"x" * 16)])
+    node.take_summary(index.summary().model_dump())
+    assert node.cached.hashes == {b"x" * 8}
+    node.take_summary({"version": 1, "unchanged": True})
+    node.take_summary({"block_size": 16, "hashes": 5})
+    node.take_summary(None)
+    assert node.malformed_summaries == 2 and node.cached.hashes == {b"x" * 8}
+    for _ in range(DOWN_AFTER):
+        node.record(False)
+    assert not node.cached.hashes and node.cached.version < 0
