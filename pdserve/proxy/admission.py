@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,17 +128,24 @@ class AdmissionGate:
     """ASGI middleware: the completion routes pass `Admission` first."""
 
     def __init__(
-        self, app: ASGIApp, admission: Admission, on_reject: Callable[[str], None]
+        self,
+        app: ASGIApp,
+        admission: Admission,
+        on_reject: Callable[[str], None],
+        on_admit: Callable[[float], None] = lambda wait_s: None,
     ) -> None:
         self.app = app
         self.admission = admission
         self.on_reject = on_reject
+        self.on_admit = on_admit
+        """Called with the seconds each admitted request waited for its slot."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in GATED_PATHS:
             await self.app(scope, receive, send)
             return
         key = _key_digest(dict(scope["headers"]).get(b"authorization", b""))
+        started = time.perf_counter()
         try:
             await self.admission.enter(key)
         except Overloaded as e:
@@ -146,6 +154,7 @@ class AdmissionGate:
             response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
             await response(scope, receive, send)
             return
+        self.on_admit(time.perf_counter() - started)
         try:
             await self.app(scope, receive, send)
         finally:

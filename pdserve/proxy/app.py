@@ -113,6 +113,12 @@ class ProxyMetrics:
         self.rejected = Counter(
             "pdserve_proxy_rejected", "Requests answered 429, by reason", ["reason"], registry=r
         )
+        self.queue_wait_seconds = Histogram(
+            "pdserve_proxy_queue_wait_seconds",
+            "Wait for an admission slot, of requests admitted",
+            buckets=(0.0001, *_LEG_BUCKETS),
+            registry=r,
+        )
         self.waiting = Gauge("pdserve_proxy_waiting", "Requests waiting for a slot", registry=r)
         self.in_flight = Gauge(
             "pdserve_proxy_in_flight", "Requests admitted, not ended", registry=r
@@ -214,9 +220,12 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         lifespan=functools.partial(_lifespan, state),
         exception_handlers=ERROR_HANDLERS,
     )
-    reject = state.metrics.rejected.labels
+    reject, wait = state.metrics.rejected.labels, state.metrics.queue_wait_seconds
     app.add_middleware(
-        AdmissionGate, admission=state.admission, on_reject=lambda reason: reject(reason).inc()
+        AdmissionGate,
+        admission=state.admission,
+        on_reject=lambda reason: reject(reason).inc(),
+        on_admit=wait.observe,
     )
     app.add_middleware(BearerAuth, api_key=state.config.api_key)  # outermost: 401 before 429
     return app

@@ -92,8 +92,11 @@ def test_the_gate_answers_429_in_the_openai_schema_with_retry_after() -> None:
     async def scenario() -> None:
         adm = make_admission(max_concurrency=1, max_queue=0)
         rejected: list[str] = []
+        waits: list[float] = []
         app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
-        app.add_middleware(AdmissionGate, admission=adm, on_reject=rejected.append)
+        app.add_middleware(
+            AdmissionGate, admission=adm, on_reject=rejected.append, on_admit=waits.append
+        )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
             held = asyncio.create_task(client.post("/v1/completions", json={}))
@@ -107,5 +110,6 @@ def test_the_gate_answers_429_in_the_openai_schema_with_retry_after() -> None:
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_exceeded" and error["code"] == 429
         assert rejected == ["queue_full"] and adm.line.in_flight == 0
+        assert len(waits) == 1 and 0 <= waits[0] < 1
 
     asyncio.run(scenario())
