@@ -81,12 +81,14 @@ def add_bench_parser(sub: Any) -> None:
     from pdserve.bench.kernels import add_parser as add_kernels_parser
     from pdserve.bench.pd import add_parser as add_pd_parser
     from pdserve.bench.proxy import add_parser as add_proxy_parser
+    from pdserve.bench.routing import add_parser as add_routing_parser
 
     add_pd_parser(bench_sub)
     add_proxy_parser(bench_sub)
     add_chaos_parser(bench_sub)
     add_kernels_parser(bench_sub)
     add_accuracy_parser(bench_sub)
+    add_routing_parser(bench_sub)
 
 
 def resolve_dtype_name(name: str) -> str:

@@ -1,0 +1,352 @@
+"""`pdserve bench routing`: the proxy's routing side by side, on 2 prefill + 2 decode nodes.
+
+The nodes start once (real `pdserve serve` processes, one thread each: the machine's cores
+are shared by four engines); each router then runs in front of the same nodes, one at a
+time. Each router gets its own texts (a salt in every system prompt and message), so what
+one left in the nodes' caches never helps the next.
+
+Workloads (`--workload`):
+- `chat`: `--conversations` conversations × `--turns` turns, all conversations at once,
+  each sending its next turn when the last answer has arrived; they share
+  `--system-prompts` long system prompts. Per router: TTFT p50/p99 over every turn, and
+  the prompt tokens the nodes computed in all (their `pdserve_prompt_tokens_computed`).
+  Routers: pdserve least-loaded, pdserve cache-aware, pdserve cache-aware with selective
+  P/D (`--disagg-min-tokens`), and `vllm-router --policy cache_aware` where
+  bench/vllm_router/setup.sh installed it.
+- `short`: one request at a time, prompts of `--short-lens` tokens. TTFT p50 of a single
+  node (a decode node, asked directly), of the proxy always P/D, and of the proxy with
+  selective P/D: where P/D starts to pay for its second leg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pdserve.bench.accuracy import load_text
+from pdserve.proxy.launch import Node, free_port, launch, stop_all, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_ROUTER = ROOT / "bench" / ".venv-vllm-router" / "bin" / "vllm-router"
+VLLM_ROUTER_SETUP = "bench/vllm_router/setup.sh"
+NODE_ENV = {"OMP_NUM_THREADS": "1", "PDSERVE_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+
+
+def add_parser(bench_sub: Any) -> None:
+    p = bench_sub.add_parser(
+        "routing",
+        help="the proxy's routing against least-loaded, "
+        "vllm-router and a single node (2 prefill + 2 decode nodes)",
+    )
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workload", choices=["chat", "short", "all"], default="all")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300, help="words per system prompt")
+    p.add_argument("--message-words", type=int, default=30, help="words per user message")
+    p.add_argument("--max-tokens", type=int, default=32, help="per answer")
+    p.add_argument("--disagg-min-tokens", type=int, default=64, help="for the selective-P/D rows")
+    p.add_argument("--short-lens", default="16,32,64,128,256", help="prompt tokens, `short`")
+    p.add_argument("--short-requests", type=int, default=12, help="per length and system")
+    p.add_argument("--compare", default="vllm-router", help="vllm-router, or nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)  # fmt: skip
+
+
+@dataclass
+class Nodes:
+    prefill: list[Node]
+    decode: list[Node]
+
+    @property
+    def all(self) -> list[Node]:
+        return [*self.prefill, *self.decode]
+
+    def prompt_tokens_computed(self) -> int:
+        return sum(int(_get(n.url, "/admin/kv")["num_prompt_tokens_computed"]) for n in self.all)
+
+
+def _get(url: str, path: str) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(f"{url}{path}", timeout=10).json()
+    return data
+
+
+@contextlib.contextmanager
+def start_nodes(args: argparse.Namespace) -> Iterator[Nodes]:
+    common = ["--model", args.model, "--dtype", args.dtype]
+    roles = ["prefill", "prefill", "decode", "decode"]
+    nodes = [launch([*common, "--role", r], env=NODE_ENV) for r in roles]
+    try:
+        for n in nodes:
+            wait_healthy(n, 300)
+        yield Nodes(nodes[:2], nodes[2:])
+    finally:
+        stop_all(nodes)
+
+
+@contextlib.contextmanager
+def start_router(name: str, nodes: Nodes, args: argparse.Namespace, *extra: str) -> Iterator[str]:
+    """A router in front of the nodes; its URL."""
+    port = free_port()
+    if name == "vllm-router":
+        cmd = [
+            str(VLLM_ROUTER),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--vllm-pd-disaggregation",
+            "--policy",
+            "cache_aware",
+            "--log-level",
+            "warning",
+        ]
+        for n in nodes.prefill:
+            cmd += ["--prefill", n.url]
+        for n in nodes.decode:
+            cmd += ["--decode", n.url]  # fmt: skip
+        process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        router = Node(f"http://127.0.0.1:{port}", process)
+        _wait_router(router)
+    else:
+        flags = [a for n in nodes.prefill for a in ("--prefill", n.url)]
+        flags += [a for n in nodes.decode for a in ("--decode", n.url)]
+        flags += ["--model", args.model, "--health-interval-s", "0.5", *extra]
+        router = wait_healthy(launch(flags, env=NODE_ENV, port=port, command="proxy"), 60)
+    try:
+        yield router.url
+    finally:
+        stop_all([router])
+
+
+def _wait_router(router: Node, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if router.process.poll() is not None:
+            raise SystemExit(f"vllm-router exited ({router.process.returncode})")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit("vllm-router did not become healthy")
+
+
+# -- the chat workload ---------------------------------------------------------------------
+
+
+@dataclass
+class Texts:
+    """Words to build prompts from (the shipped public-domain prose), salted per router."""
+
+    words: list[str]
+    salt: str
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def passage(self, num_words: int) -> str:
+        start = self.rng.randrange(len(self.words) - num_words)
+        return f"[{self.salt}] " + " ".join(self.words[start : start + num_words])
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[float, str, int]:
+    """TTFT (first token's chunk), the answer's text, and the HTTP status."""
+    start = time.perf_counter()
+    ttft, parts = float("nan"), []
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return ttft, "", response.status_code
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content") or ""
+                if ttft != ttft:  # nan: the first token's chunk
+                    ttft = time.perf_counter() - start
+                parts.append(text)
+    return ttft, "".join(parts), 200
+
+
+async def run_chat(url: str, args: argparse.Namespace, texts: Texts) -> dict[str, Any]:
+    systems = [texts.passage(args.system_words) for _ in range(args.system_prompts)]
+    ttfts: list[float] = []
+    failures = 0
+
+    async def conversation(i: int, http: httpx.AsyncClient) -> None:
+        nonlocal failures
+        messages = [{"role": "system", "content": systems[i % len(systems)]}]
+        await asyncio.sleep(0.05 * i)  # interleaved starts
+        for _ in range(args.turns):
+            messages.append({"role": "user", "content": texts.passage(args.message_words)})
+            body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                    "stream": True, "model": args.model}  # fmt: skip
+            ttft, answer, status = await stream_chat(http, url, body)
+            if status != 200:
+                failures += 1
+                messages.pop()
+                continue
+            ttfts.append(ttft)
+            messages.append({"role": "assistant", "content": answer})
+
+    limits = httpx.Limits(max_connections=args.conversations + 4)
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await asyncio.gather(*(conversation(i, http) for i in range(args.conversations)))
+    return {
+        "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else float("nan"),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else float("nan"),
+        "num_turns": len(ttfts),
+        "num_failed": failures,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def chat_systems(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(row name, router flags); vllm-router's flags are its own (start_router)."""
+    selective = ["--routing", "cache-aware", "--disagg-min-tokens", str(args.disagg_min_tokens)]
+    rows = [
+        ("pdserve least-loaded", ["--routing", "least-loaded"]),
+        ("pdserve cache-aware", ["--routing", "cache-aware"]),
+        (f"pdserve cache-aware + selective P/D (<{args.disagg_min_tokens})", selective),
+    ]
+    if "vllm-router" in args.compare.split(","):
+        if VLLM_ROUTER.exists():
+            rows.append(("vllm-router cache_aware", []))
+        else:
+            print(f"vllm-router: not installed (run {VLLM_ROUTER_SETUP}); its row is skipped")
+    return rows
+
+
+def bench_chat(nodes: Nodes, args: argparse.Namespace, words: list[str]) -> list[dict[str, Any]]:
+    results = []
+    for i, (name, flags) in enumerate(chat_systems(args)):
+        router = "vllm-router" if name.startswith("vllm-router") else "pdserve"
+        with start_router(router, nodes, args, *flags) as url:
+            before = nodes.prompt_tokens_computed()
+            result = asyncio.run(run_chat(url, args, Texts(words, f"router {i}")))
+            result["prompt_tokens_computed"] = nodes.prompt_tokens_computed() - before
+        results.append({"system": name, **result})
+        print(f"  {name}: {json.dumps(result)}", flush=True)
+    return results
+
+
+# -- the short-prompt workload ---------------------------------------------------------------
+
+
+async def run_short(
+    url: str, lens: list[int], n: int, texts: Texts, model: str
+) -> dict[int, float]:
+    """TTFT p50 per prompt length, one request at a time (completions, token-id prompts)."""
+    out: dict[int, float] = {}
+    async with httpx.AsyncClient(timeout=600) as http:
+        for length in lens:
+            ttfts = []
+            for _ in range(n):
+                prompt = [texts.rng.randrange(3, 300) for _ in range(length)]  # any vocab
+                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+                        "model": model}  # fmt: skip
+                start = time.perf_counter()
+                first = None
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():  # to the end: the connection is reused
+                        if first is None and line.startswith("data: {"):
+                            first = time.perf_counter() - start
+                if first is not None:
+                    ttfts.append(first)
+            out[length] = float(np.percentile(ttfts, 50)) if ttfts else float("nan")
+    return out
+
+
+def bench_short(nodes: Nodes, args: argparse.Namespace, words: list[str]) -> list[dict[str, Any]]:
+    lens = [int(x) for x in args.short_lens.split(",") if x]
+    n = args.short_requests
+    rows = [
+        {
+            "system": "single node",
+            **_short_row(
+                asyncio.run(run_short(nodes.decode[0].url, lens, n, Texts(words, "s0"), args.model))
+            ),
+        }
+    ]
+    for i, (name, flags) in enumerate(
+        [
+            ("proxy, always P/D", ["--disagg-min-tokens", "0"]),
+            (
+                f"proxy, selective P/D (<{args.disagg_min_tokens})",
+                ["--disagg-min-tokens", str(args.disagg_min_tokens)],
+            ),
+        ]
+    ):
+        with start_router("pdserve", nodes, args, *flags) as url:
+            ttft = asyncio.run(run_short(url, lens, n, Texts(words, f"s{i + 1}"), args.model))
+        rows.append({"system": name, **_short_row(ttft)})
+    for row in rows:
+        print(f"  {json.dumps(row)}", flush=True)
+    return rows  # fmt: skip
+
+
+def _short_row(ttft: dict[int, float]) -> dict[str, float]:
+    return {f"ttft_p50_s@{length}": value for length, value in ttft.items()}
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    words = load_text().split()
+    results: dict[str, Any] = {}
+    with start_nodes(args) as nodes:
+        if args.workload in ("chat", "all"):
+            print(f"chat: {args.conversations} conversations x {args.turns} turns, "
+                  f"{args.system_prompts} shared system prompts", flush=True)  # fmt: skip
+            results["chat"] = bench_chat(nodes, args, words)
+            print_chat(results["chat"])
+        if args.workload in ("short", "all"):
+            print(f"short prompts, one at a time: {args.short_lens} tokens", flush=True)
+            results["short"] = bench_short(nodes, args, words)
+            print_short(results["short"])
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def print_chat(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]
+    print(f"\n{'router':<44}{'TTFT p50':>10}{'p99':>9}{'prompt tok':>12}"
+          f"{'vs least-loaded: p50':>22}{'tokens':>8}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['system']:<44}{r['ttft_p50_s'] * 1e3:>8.0f}ms{r['ttft_p99_s'] * 1e3:>7.0f}ms"
+            f"{r['prompt_tokens_computed']:>12}"
+            f"{base['ttft_p50_s'] / r['ttft_p50_s']:>21.2f}x"
+            f"{base['prompt_tokens_computed'] / max(r['prompt_tokens_computed'], 1):>7.2f}x"
+        )
+    print("(ratios: least-loaded's TTFT p50 / the row's, and its prompt tokens / the row's)")
+
+
+def print_short(rows: list[dict[str, Any]]) -> None:
+    lens = [k.split("@")[1] for k in rows[0] if k.startswith("ttft")]
+    print(f"\n{'TTFT p50 (ms), prompt tokens:':<34}" + "".join(f"{n:>8}" for n in lens))
+    single = rows[0]
+    for r in rows:
+        cells = "".join(f"{r[f'ttft_p50_s@{n}'] * 1e3:>8.1f}" for n in lens)
+        print(f"{r['system']:<34}{cells}")
+    for r in rows[1:]:
+        ratio = "".join(f"{r[f'ttft_p50_s@{n}'] / single[f'ttft_p50_s@{n}']:>8.2f}" for n in lens)
+        print(f"{'  / single node: ' + r['system']:<34}{ratio}")
