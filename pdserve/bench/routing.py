@@ -154,7 +154,10 @@ class Texts:
 
     words: list[str]
     salt: str
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.salt)  # each router its own prompts
 
     def passage(self, num_words: int) -> str:
         start = self.rng.randrange(len(self.words) - num_words)

@@ -195,8 +195,9 @@ async def _prefill_leg(
         try:
             payload = json.dumps(leg).encode()
             headers = _leg_headers(state, client)
+            tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=False)
             status, content = await client.unless_gone(
-                _post(backend, path, payload, headers, state.config.prefill_timeout_s)
+                _post(backend, path, payload, headers, state.config.prefill_timeout_s, tokens)
             )
         except (ClientGone, UpstreamError) as e:
             if not isinstance(e, Unreachable):  # it may have reached the node: let it go
@@ -222,9 +223,14 @@ async def _prefill_leg(
 
 
 async def _post(
-    backend: Backend, path: str, payload: bytes, headers: dict[str, str], timeout_s: float
+    backend: Backend,
+    path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    compute_tokens: int,
 ) -> tuple[int, bytes]:
-    response = await backend.post_json(path, payload, headers, timeout_s)
+    response = await backend.post_json(path, payload, headers, timeout_s, compute_tokens)
     try:
         return response.status, await response.read()
     finally:
@@ -270,9 +276,10 @@ async def _decode_leg(
     client.stage = Stage.DECODE
     for backend in _attempts(state, state.decode, prompt, first):
         started = time.perf_counter()
+        tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=held.kv is not None)
         try:
             send = backend.post_json(
-                path, payload, _leg_headers(state, client), state.config.decode_timeout_s
+                path, payload, _leg_headers(state, client), state.config.decode_timeout_s, tokens
             )
             response = await client.unless_gone(send)
         except (ClientGone, UpstreamError) as e:

@@ -98,6 +98,9 @@ class Backend:
     up: bool = True
     num_outstanding: int = 0
     """Legs in flight to the node from this proxy (only `post_json` counts them)."""
+    pending_tokens: int = 0
+    """Prompt tokens the node computes for legs this proxy sent that have not produced
+    their first token (`post_json`'s `compute_tokens`, until its response head)."""
     kv_usage: float = 0.0
     _failures: int = 0
     _successes: int = 0
@@ -116,17 +119,27 @@ class Backend:
         self.upstream = Node(self.url)
 
     async def post_json(
-        self, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout_s: float | None,
+        compute_tokens: int = 0,
     ) -> UpstreamResponse:
         """POST a leg through this node's connections. It counts in `num_outstanding` from
-        now until its response is closed, or until the POST fails."""
+        now until its response is closed, or until the POST fails; its `compute_tokens`
+        count in `pending_tokens` until the response head arrives (a node sends it with
+        the first token)."""
         self.num_outstanding += 1
+        self.pending_tokens += compute_tokens
         self.breaker.sent()
         try:
             response = await self.upstream.post_json(path, body, headers, timeout_s)
         except BaseException:
             self.num_outstanding -= 1
             raise
+        finally:
+            self.pending_tokens -= compute_tokens
         response.on_close(self._request_ended)
         return response
 

@@ -14,8 +14,11 @@ Life of one decision (`legs.serve_request`):
 Policies (`--routing`, or per leg `--prefill-routing` / `--decode-routing`):
 - `least-loaded`: fewest legs in flight from this proxy, then the lowest KV use.
 - `round-robin`: each node in turn.
-- `cache-aware`: the lowest estimated cost, in prompt tokens: the tokens the node does
-  not cache, plus `LOAD_TOKENS` per leg it has in flight. What a node caches is its own
+- `cache-aware`: the lowest estimated cost in tokens of compute before this request's
+  first token: the prompt tokens the node does not cache, plus the tokens of the legs
+  this proxy sent it that have not produced their first token yet (`pending_tokens`),
+  plus `DECODE_LOAD_TOKENS` per decode in flight on a decode node (each one slows every
+  step of the batch). What a node caches is its own
   summary (`kv_cache/prefix_summary.py`, polled with the health checks), plus the chains of
   prompts this proxy sent it since (`Backend.recent`): a summary is up to one poll old,
   and the next turn of a chat comes right after the last one.
@@ -42,11 +45,12 @@ from pdserve.proxy.pool import Backend, BackendPool
 
 logger = logging.getLogger(__name__)
 
-LOAD_TOKENS = 256
-"""What one leg in flight on a node costs, in prompt tokens, when `cache-aware` weighs a
-node's cache against its load. About a prefill chunk of the default model on 2 cores
-(~0.1 s): enough that a cache hit of a few blocks does not pile every request on one node,
-small enough that a conversation's history (hundreds of tokens) keeps it where it was."""
+DECODE_LOAD_TOKENS = 32
+"""What one request decoding on a node costs a newcomer there, in prompt tokens: one more
+row in each decode step. On the default model on 2 cores a step with 16 rows takes about
+as long as a 32-token prefill chunk per row added would (`pdserve bench kernels`), so
+a conversation whose history a decode node holds stays there until that node runs
+about history/32 more requests than the other."""
 RECENT_S = 10.0
 """How long a prompt this proxy sent a node counts as cached there without its summary
 saying so (the summary usually catches up within one poll)."""
@@ -126,7 +130,16 @@ class Router:
 
     def _cost(self, backend: Backend, prompt: Prompt) -> tuple[int, float]:
         uncached = prompt.num_tokens - num_cached_tokens(backend, prompt)
-        return uncached + LOAD_TOKENS * backend.num_outstanding, backend.kv_usage
+        decoding = backend.num_outstanding if backend.role == "decode" else 0
+        load = backend.pending_tokens + DECODE_LOAD_TOKENS * decoding
+        return uncached + load, backend.kv_usage
+
+    def tokens_to_compute(self, backend: Backend, prompt: Prompt | None, reads_kv: bool) -> int:
+        """What a leg sent to `backend` makes it compute before its first token: the prompt
+        tokens it does not cache, or none for a decode leg that reads them (`reads_kv`)."""
+        if prompt is None or reads_kv:
+            return 0
+        return prompt.num_tokens - num_cached_tokens(backend, prompt)
 
     def runs_whole(self, decode: Backend, prompt: Prompt | None) -> bool:
         """Skip the prefill leg: the decode node computes fewer than `disagg_min_tokens`

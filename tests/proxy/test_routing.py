@@ -10,7 +10,13 @@ from pdserve.config import ProxyConfig, RoutingPolicy
 from pdserve.errors import ConfigError
 from pdserve.kv_cache.prefix_summary import CachedPrefixes, prompt_chain
 from pdserve.proxy.pool import Backend, BackendPool
-from pdserve.proxy.routing import LOAD_TOKENS, Prompt, Router, add_routing_args, routing_options
+from pdserve.proxy.routing import (
+    DECODE_LOAD_TOKENS,
+    Prompt,
+    Router,
+    add_routing_args,
+    routing_options,
+)
 
 BLOCK = 4
 SYSTEM = list(range(100, 132))  # 8 blocks
@@ -47,12 +53,28 @@ def test_cache_aware_goes_where_the_prefix_is_unless_the_load_outweighs_it() -> 
     holding(b, [*SYSTEM, 1, 2, 3, 4, 5])
     prompt = Prompt([*SYSTEM, 1, 2, 3, 4, 9, 9])
     assert router.choose(pool, prompt) is b  # 36 tokens cached there, none on a
-    b.num_outstanding = 1
-    assert router.choose(pool, prompt) is a  # 36 cached tokens < LOAD_TOKENS of queue
-    long_history = [*SYSTEM] * 12  # a conversation far longer than a leg's worth of load
-    holding(b, [*long_history, 7])
-    assert len(long_history) > LOAD_TOKENS
-    assert router.choose(pool, Prompt([*long_history, 8, 8])) is b
+    b.pending_tokens = 30  # a prefill queued there: still cheaper than 36 tokens
+    assert router.choose(pool, prompt) is b
+    b.pending_tokens = 40
+    assert router.choose(pool, prompt) is a
+    b.pending_tokens = 0
+    b.num_outstanding = 2  # decodes running there: 2 x DECODE_LOAD_TOKENS > 36
+    assert 2 * DECODE_LOAD_TOKENS > 36 and router.choose(pool, prompt) is a
+    prefill = make_pool("prefill")
+    holding(prefill.backends[1], [*SYSTEM, 1, 2, 3, 4, 5])
+    prefill.backends[1].num_outstanding = 2  # on a prefill node only pending tokens count
+    assert router.choose(prefill, prompt) is prefill.backends[1]
+
+
+def test_a_leg_counts_the_tokens_it_makes_its_node_compute() -> None:
+    router, pool = make_router(), make_pool()
+    a, b = pool.backends
+    holding(b, [*SYSTEM, 1])
+    prompt = Prompt([*SYSTEM, 1, 2])
+    assert router.tokens_to_compute(a, prompt, reads_kv=False) == 34
+    assert router.tokens_to_compute(b, prompt, reads_kv=False) == 2
+    assert router.tokens_to_compute(a, prompt, reads_kv=True) == 0  # a decode leg reads it
+    assert router.tokens_to_compute(a, None, reads_kv=False) == 0
 
 
 def test_without_a_prompt_or_with_least_loaded_the_load_decides() -> None:
