@@ -197,9 +197,10 @@ class ProxyConfig:
     decode_routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     disagg_min_tokens: int = 0
     """A request whose prompt has fewer tokens than this that the chosen decode node does
-    not cache runs whole on that node, without a prefill leg. 0 (the default until
-    `pdserve bench routing` has measured where P/D starts to pay on each CPU class):
-    every request takes both legs."""
+    not cache runs whole on that node, without a prefill leg. 0 (the default): every
+    request takes both legs. On one host P/D never paid below 256 tokens and 256 cut
+    multi-turn chat's TTFT p50 5.5x (docs/benchmarks.md, `pdserve bench routing`), but
+    where it pays across hosts is not measured yet, so it is not the default."""
     max_concurrency: int = 256
     """Client requests in flight through the proxy (streams until they end); more wait."""
     max_queue: int = 256

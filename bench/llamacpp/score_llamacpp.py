@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+from run_llamacpp import turn_repacking_off  # this script's folder is on sys.path
 
 
 def main(argv: list[str]) -> int:
@@ -70,20 +71,6 @@ def main(argv: list[str]) -> int:
     }
     sys.stdout.write(json.dumps(answer) + "\n")
     return 0
-
-
-def turn_repacking_off() -> None:
-    """Models load with `use_extra_bufts=False` (the binding has no argument for it)."""
-    import llama_cpp.llama_cpp as lib
-
-    defaults = lib.llama_model_default_params
-
-    def without_extra_buffers() -> Any:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    lib.llama_model_default_params = without_extra_buffers
 
 
 def score(rows: np.ndarray, targets: list[int], nll: list[float], top1: list[int]) -> None:

@@ -16,6 +16,11 @@ Workloads (`--workload`):
 - `short`: one request at a time, prompts of `--short-lens` tokens. TTFT p50 of a single
   node (a decode node, asked directly), of the proxy always P/D, and of the proxy with
   selective P/D: where P/D starts to pay for its second leg.
+- `overload`: the proxy with `--max-concurrency C --max-queue 0`. First its capacity:
+  `C` clients back to back (requests/s, TTFT p99: the unloaded baseline); then requests
+  arriving at `--overload` times that rate (Poisson) for `--overload-s` seconds. Reports
+  the 5xx count, how fast each 429 came, the accepted requests' TTFT p99 against the
+  baseline, and how long until every node was idle afterwards.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def add_parser(bench_sub: Any) -> None:
     )
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--workload", choices=["chat", "short", "all"], default="all")
+    p.add_argument("--workload", choices=["chat", "short", "overload", "all"], default="all")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-prompts", type=int, default=4)
@@ -62,6 +67,9 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--disagg-min-tokens", type=int, default=64, help="for the selective-P/D rows")
     p.add_argument("--short-lens", default="16,32,64,128,256", help="prompt tokens, `short`")
     p.add_argument("--short-requests", type=int, default=12, help="per length and system")
+    p.add_argument("--capacity", type=int, default=8, help="`overload`: --max-concurrency")
+    p.add_argument("--overload", type=float, default=4.0, help="`overload`: times capacity")
+    p.add_argument("--overload-s", type=float, default=60.0, help="`overload`: seconds")
     p.add_argument("--compare", default="vllm-router", help="vllm-router, or nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)  # fmt: skip
@@ -308,6 +316,121 @@ def _short_row(ttft: dict[int, float]) -> dict[str, float]:
     return {f"ttft_p50_s@{length}": value for length, value in ttft.items()}
 
 
+# -- the overload workload ------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: int
+    seconds: float
+    """To the first token (200), or to the answer's head (any other status)."""
+
+
+async def one_request(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Outcome:
+    start = time.perf_counter()
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return Outcome(r.status_code, time.perf_counter() - start)
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    return Outcome(200, first if first is not None else float("nan"))
+
+
+def _overload_body(rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
+    prompt = [rng.randrange(3, 300) for _ in range(64)]
+    return {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "model": args.model}  # fmt: skip
+
+
+async def closed_loop(url: str, args: argparse.Namespace, num_requests: int) -> dict[str, float]:
+    """`--capacity` clients back to back: the rate and TTFT the proxy serves at capacity."""
+    rng = random.Random("capacity")
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def client() -> None:
+            while len(outcomes) < num_requests:
+                outcomes.append(await one_request(http, url, _overload_body(rng, args)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(args.capacity)))
+        elapsed = time.perf_counter() - start
+    ttfts = [o.seconds for o in outcomes if o.status == 200]
+    return {"requests_per_s": len(outcomes) / elapsed,
+            "ttft_p99_s": float(np.percentile(ttfts, 99))}  # fmt: skip
+
+
+async def open_loop(url: str, args: argparse.Namespace, rate: float) -> list[Outcome]:
+    rng, arrivals = random.Random("overload"), random.Random("arrivals")
+    tasks: list[asyncio.Task[Outcome]] = []
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        deadline = time.perf_counter() + args.overload_s
+        while time.perf_counter() < deadline:
+            tasks.append(asyncio.ensure_future(one_request(http, url, _overload_body(rng, args))))
+            await asyncio.sleep(arrivals.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+
+def wait_all_idle(nodes: Nodes, timeout_s: float = 60.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        states = [_get(n.url, "/admin/kv") for n in nodes.all]
+        if all(
+            s["num_free_blocks"] == s["num_blocks"] and s.get("num_handoffs", 0) == 0
+            and s["num_running"] == s["num_waiting"] == s["num_loading"] == 0
+            for s in states
+        ):  # fmt: skip
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")
+
+
+def bench_overload(nodes: Nodes, args: argparse.Namespace) -> dict[str, Any]:
+    flags = ["--max-concurrency", str(args.capacity), "--max-queue", "0"]
+    with start_router("pdserve", nodes, args, *flags) as url:
+        base = asyncio.run(closed_loop(url, args, num_requests=6 * args.capacity))
+        rate = args.overload * base["requests_per_s"]
+        print(f"  capacity: {json.dumps(base)}; offering {rate:.1f} requests/s", flush=True)
+        outcomes = asyncio.run(open_loop(url, args, rate))
+    accepted = [o.seconds for o in outcomes if o.status == 200]
+    rejected = [o.seconds for o in outcomes if o.status == 429]
+    return {
+        "offered_per_s": rate,
+        "num_requests": len(outcomes),
+        "num_ok": len(accepted),
+        "num_429": len(rejected),
+        "num_5xx": sum(1 for o in outcomes if o.status >= 500),
+        "num_other": sum(1 for o in outcomes if o.status not in (200, 429) and o.status < 500),
+        "reject_p99_s": float(np.percentile(rejected, 99)) if rejected else 0.0,
+        "reject_max_s": max(rejected, default=0.0),
+        "baseline_ttft_p99_s": base["ttft_p99_s"],
+        "accepted_ttft_p99_s": float(np.percentile(accepted, 99)) if accepted else float("nan"),
+        "idle_after_s": wait_all_idle(nodes),
+    }
+
+
+def print_overload(r: dict[str, Any]) -> None:
+    print(
+        f"\noverload: {r['num_requests']} requests at {r['offered_per_s']:.1f}/s: "
+        f"{r['num_ok']} served, {r['num_429']} answered 429, {r['num_5xx']} 5xx, "
+        f"{r['num_other']} other"
+    )
+    print(
+        f"  429 answered in: p99 {r['reject_p99_s'] * 1e3:.1f} ms, max "
+        f"{r['reject_max_s'] * 1e3:.1f} ms"
+    )
+    ratio = r["accepted_ttft_p99_s"] / r["baseline_ttft_p99_s"]
+    print(
+        f"  accepted TTFT p99 {r['accepted_ttft_p99_s'] * 1e3:.0f} ms against "
+        f"{r['baseline_ttft_p99_s'] * 1e3:.0f} ms at capacity ({ratio:.2f}x)"
+    )
+    print(f"  every node idle {r['idle_after_s']:.2f} s after the last answer")  # fmt: skip
+
+
 # -- the command -----------------------------------------------------------------------------
 
 
@@ -324,6 +447,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"short prompts, one at a time: {args.short_lens} tokens", flush=True)
             results["short"] = bench_short(nodes, args, words)
             print_short(results["short"])
+        if args.workload in ("overload", "all"):
+            print(f"overload: {args.overload:g}x capacity ({args.capacity} in flight) for "
+                  f"{args.overload_s:g} s", flush=True)  # fmt: skip
+            results["overload"] = bench_overload(nodes, args)
+            print_overload(results["overload"])
     if args.json:
         print(json.dumps(results))
     return 0

@@ -47,10 +47,10 @@ logger = logging.getLogger(__name__)
 
 DECODE_LOAD_TOKENS = 32
 """What one request decoding on a node costs a newcomer there, in prompt tokens: one more
-row in each decode step. On the default model on 2 cores a step with 16 rows takes about
-as long as a 32-token prefill chunk per row added would (`pdserve bench kernels`), so
-a conversation whose history a decode node holds stays there until that node runs
-about history/32 more requests than the other."""
+row in every decode step. A judgement, not a measurement: small, so that a conversation
+whose history (hundreds of tokens) a decode node holds stays there until that node runs
+about history/32 more requests than another; `pdserve bench routing` (docs/benchmarks.md)
+is where a better value would show."""
 RECENT_S = 10.0
 """How long a prompt this proxy sent a node counts as cached there without its summary
 saying so (the summary usually catches up within one poll)."""

@@ -121,7 +121,10 @@ async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) 
     if args.ask is None:
         _print_banner(url, args.api_key)
         await serving
-        return 0
+        # Only SIGINT/SIGTERM stop it. uvicorn re-raises the signal once it has stopped,
+        # but asyncio.run turns that into KeyboardInterrupt only if this task is still
+        # running when the signal lands: say 130 here, whichever comes first.
+        return 130 if server.should_exit else 0
     try:
         print(await _ask(url, args.api_key, args.ask, args.max_tokens))
         return 0

@@ -1,5 +1,6 @@
-"""`pdserve bench routing` end to end on the tiny chat model: every router row and the
-short-prompt rows come back with numbers, and the nodes' counters move."""
+"""`pdserve bench routing` end to end on the tiny chat model: every router row, the
+short-prompt rows and the overload run come back with numbers, and the nodes' counters
+move."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_bench_routing_runs_every_row(
             "--conversations", "2", "--turns", "2", "--system-prompts", "1",
             "--system-words", "40", "--message-words", "6", "--max-tokens", "3",
             "--short-lens", "8,40", "--short-requests", "2", "--disagg-min-tokens", "16",
-            "--json"]  # fmt: skip
+            "--capacity", "2", "--overload-s", "2", "--json"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "vllm-router: not installed" in out
@@ -38,3 +39,10 @@ def test_bench_routing_runs_every_row(
     short = {r["system"]: r for r in results["short"]}
     assert set(short) == {"single node", "proxy, always P/D", "proxy, selective P/D (<16)"}
     assert all(r["ttft_p50_s@8"] > 0 and r["ttft_p50_s@40"] > 0 for r in short.values())
+    overload = results["overload"]
+    assert overload["num_5xx"] == overload["num_other"] == 0
+    assert (
+        overload["num_ok"] > 0
+        and overload["num_ok"] + overload["num_429"] == (overload["num_requests"])
+    )
+    assert overload["idle_after_s"] < 30

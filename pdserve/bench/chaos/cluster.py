@@ -146,7 +146,8 @@ class LocalCluster(Cluster):
             slot.node = self._launch(slot)
             slot.url = slot.node.url
         reference = launch(self.node_args, self.env)
-        proxy_args = ["--api-key", self.api_key, "--health-interval-s", "0.2"]
+        model = self.node_args[self.node_args.index("--model") + 1]  # the proxy's tokenizer
+        proxy_args = ["--api-key", self.api_key, "--health-interval-s", "0.2", "--model", model]
         for slot in self.slots:
             proxy_args += [f"--{slot.role}", slot.url]
         proxy = launch(proxy_args, self.env, command="proxy")
