@@ -88,9 +88,14 @@ class HandoffService:
         return outcome is Outcome.OK
 
     async def cancel(self, handoff: Handoff) -> None:
-        """The prefill leg ended without a response (client gone, error): nothing held."""
+        """The prefill leg ended without a response (client gone, error). Its request may
+        still have finished in the engine with its blocks kept: a release by token that
+        came after `begin` but before the request reached the engine ended the handoff
+        and freed nothing, and the leg's abort is ignored by a finished request. So free
+        whatever the engine kept, as `commit` does (found by `bench chaos`)."""
         self.table.release(handoff.handoff_id, None, admin=True, reason=ReleaseReason.ABORTED)
         await self._flush()
+        await self.client.free_held([handoff.request_id])
 
     def transfer_params(self, handoff: Handoff, output: RequestOutput) -> KVTransferParams:
         tokens = output.outputs[0].token_ids if output.outputs else []
