@@ -18,18 +18,16 @@ runs without it; the tokenizer is a local directory, so nothing is fetched.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import IO
 
-import httpx
+from pdserve.bench.routing import wait_all_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 AIPERF = ROOT / "bench" / ".venv-aiperf" / "bin" / "aiperf"
@@ -54,7 +52,7 @@ def main() -> int:
         for delay in [float(d) for d in args.cancel_delays.split(",")]:
             out = work / f"delay-{delay:g}"
             run_aiperf(args, port, tokenizer, delay, out)
-            idle_s = wait_idle(nodes, timeout_s=LEASE_S + 5)
+            idle_s = wait_all_idle(nodes, timeout_s=LEASE_S + 5)
             verdict = "ok" if idle_s <= LEASE_S else "NOT within the lease"
             print(f"cancel delay {delay:g} s: every node idle {idle_s:.2f} s after AIPerf ended "
                   f"({verdict})", flush=True)  # fmt: skip
@@ -130,21 +128,6 @@ def run_aiperf(
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     print(f"aiperf, {args.cancel_rate:g}% cancelled {delay:g} s after sending:", flush=True)
     subprocess.run(cmd, env=env, check=True)
-
-
-def wait_idle(nodes: list[str], timeout_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        states = [httpx.get(f"{url}/admin/kv", timeout=5).json() for url in nodes]
-        if all(
-            s["num_free_blocks"] == s["num_blocks"] and s.get("num_handoffs", 0) == 0
-            and s["num_running"] == s["num_waiting"] == s["num_loading"] == 0
-            for s in states
-        ):  # fmt: skip
-            return time.monotonic() - start
-        time.sleep(0.05)
-    print(json.dumps(states, indent=1))
-    return float("inf")
 
 
 if __name__ == "__main__":

@@ -375,15 +375,20 @@ async def open_loop(url: str, args: argparse.Namespace, rate: float) -> list[Out
         return list(await asyncio.gather(*tasks))
 
 
-def wait_all_idle(nodes: Nodes, timeout_s: float = 60.0) -> float:
+def node_is_idle(state: dict[str, Any]) -> bool:
+    """A node's `/admin/kv`: no block in use or held, no handoff, no request."""
+    return bool(
+        state["num_free_blocks"] == state["num_blocks"]
+        and state.get("num_handoffs", 0) == 0
+        and state["num_running"] == state["num_waiting"] == state["num_loading"] == 0
+    )
+
+
+def wait_all_idle(urls: list[str], timeout_s: float = 60.0) -> float:
+    """Seconds until every node is idle (inf if one is not within `timeout_s`)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        states = [_get(n.url, "/admin/kv") for n in nodes.all]
-        if all(
-            s["num_free_blocks"] == s["num_blocks"] and s.get("num_handoffs", 0) == 0
-            and s["num_running"] == s["num_waiting"] == s["num_loading"] == 0
-            for s in states
-        ):  # fmt: skip
+        if all(node_is_idle(_get(url, "/admin/kv")) for url in urls):
             return time.monotonic() - start
         time.sleep(0.05)
     return float("inf")
@@ -409,7 +414,7 @@ def bench_overload(nodes: Nodes, args: argparse.Namespace) -> dict[str, Any]:
         "reject_max_s": max(rejected, default=0.0),
         "baseline_ttft_p99_s": base["ttft_p99_s"],
         "accepted_ttft_p99_s": float(np.percentile(accepted, 99)) if accepted else float("nan"),
-        "idle_after_s": wait_all_idle(nodes),
+        "idle_after_s": wait_all_idle([n.url for n in nodes.all]),
     }
 
 
