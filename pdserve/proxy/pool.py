@@ -29,7 +29,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -196,15 +196,21 @@ class BackendPool:
         self.role = role
         self.backends = [Backend(url.rstrip("/"), role) for url in urls]
 
-    def choose(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
-        candidates = [b for b in self.backends if b.available() and b.url not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda b: (b.num_outstanding, b.kv_usage))
+    def candidates(self, exclude: Collection[str] = frozenset()) -> list[Backend]:
+        """The nodes a leg may go to now: up, breaker letting legs through, not excluded."""
+        return [b for b in self.backends if b.available() and b.url not in exclude]
+
+    def choose(self, exclude: Collection[str] = frozenset()) -> Backend | None:
+        """The least loaded candidate: fewest legs in flight, then the lowest KV use."""
+        return min(self.candidates(exclude), key=_load, default=None)
 
     @property
     def num_up(self) -> int:
         return sum(b.up for b in self.backends)
+
+
+def _load(backend: Backend) -> tuple[int, float]:
+    return backend.num_outstanding, backend.kv_usage
 
 
 async def check_health(

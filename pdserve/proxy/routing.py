@@ -117,16 +117,16 @@ class Router:
         self, pool: BackendPool, prompt: Prompt | None, exclude: Collection[str] = frozenset()
     ) -> Backend | None:
         """The node of `pool` for a leg, by the pool's policy; None if none is up."""
-        candidates = [b for b in pool.backends if b.available() and b.url not in exclude]
-        if not candidates:
-            return None
         policy = self.policies[pool.role]
+        if policy is RoutingPolicy.CACHE_AWARE and prompt is not None:
+            return min(pool.candidates(exclude), key=lambda b: self._cost(b, prompt), default=None)
         if policy is RoutingPolicy.ROUND_ROBIN:
+            candidates = pool.candidates(exclude)
+            if not candidates:
+                return None
             turn = next(self._turns.setdefault(pool.role, itertools.count()))
             return candidates[turn % len(candidates)]
-        if policy is RoutingPolicy.CACHE_AWARE and prompt is not None:
-            return min(candidates, key=lambda b: self._cost(b, prompt))
-        return min(candidates, key=lambda b: (b.num_outstanding, b.kv_usage))
+        return pool.choose(exclude)
 
     def _cost(self, backend: Backend, prompt: Prompt) -> tuple[int, float]:
         uncached = prompt.num_tokens - num_cached_tokens(backend, prompt)
