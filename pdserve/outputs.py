@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.request import RequestTimes, TokenLogprob
 
 
 @dataclass
@@ -37,6 +37,9 @@ class RequestOutput:
     """When finished: blocks the KV connector kept pinned (a prefill leg's prompt KV)."""
     error: str | None = None
     """Set when the request failed inside the engine (e.g. a remote KV load, policy `fail`)."""
+    times: RequestTimes | None = None
+    """When finished with a token: where its time went in the engine (the last of its
+    samples to finish)."""
 
     @property
     def aborted(self) -> bool:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pdserve.disagg.messages import ReleaseReason
 from pdserve.engine.core_messages import EngineStats
 from pdserve.engine.kv_connector import KVConnectorStats
+from pdserve.engine.request import RequestTimes
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
 
@@ -24,6 +25,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 class MetricsRecorder:
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -42,6 +44,8 @@ class MetricsRecorder:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Tokens generated", labels, registry=r
         )
+        self.prompt_tokens.labels(model_name)  # export zeros from the start
+        self.generation_tokens.labels(model_name)
         self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token")
         self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between tokens")
         self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Request latency")
@@ -85,21 +89,53 @@ class MetricsRecorder:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.claim_seconds = Histogram(
+            "pdserve_handoff_claim_seconds",
+            "A decode node's claim of a handoff: round trip to the prefill node",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Where a finished request's time went in the engine (engine/request.py RequestTimes)
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds", "Arrival to admission (blocks allocated)"
+        )
+        self.kv_load_time = self._histogram(
+            "pdserve_request_kv_load_seconds",
+            "Admission to the prompt's KV read from a prefill node (handshake, claim, read)",
+        )
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds", "Admission (or KV loaded) to the first token"
+        )
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds", "First token to the last"
+        )
         self.model_name = model_name
 
     def record_connector_stats(self, stats: KVConnectorStats) -> None:
         for num_bytes, seconds in stats.transfers:
             self.transfer_bytes.inc(num_bytes)
             self.transfer_seconds.observe(seconds)
+        for seconds in stats.claims_s:
+            self.claim_seconds.observe(seconds)
+
+    def _record_times(self, times: RequestTimes) -> None:
+        m = self.model_name
+        self.queue_time.labels(m).observe(times.queued_s)
+        if times.kv_load_s:
+            self.kv_load_time.labels(m).observe(times.kv_load_s)
+        self.prefill_time.labels(m).observe(times.prefill_s)
+        self.decode_time.labels(m).observe(times.decode_s)
 
     def set_handoff_states(self, counts: dict[str, int]) -> None:
         for state in ("prefilling", "held", "claimed"):
             self.handoffs.labels(state).set(counts.get(state, 0))
 
     def _histogram(self, name: str, doc: str) -> Histogram:
-        return Histogram(
+        histogram = Histogram(
             name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry
         )
+        histogram.labels(self.model_name)  # export zeros from the start
+        return histogram
 
     def render(self, stats: EngineStats) -> bytes:
         m = self.model_name
@@ -140,6 +176,8 @@ class MetricsRecorder:
                     self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
                     self.generation_tokens.labels(m).inc(num_tokens)
                     self.e2e.labels(m).observe(now - start)
+                    if output.times is not None:
+                        self._record_times(output.times)
                 yield output
         except PdserveError:
             outcome = None  # refused by the engine: the HTTP layer counts it with its status

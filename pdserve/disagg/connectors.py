@@ -150,6 +150,7 @@ class DecodeConnector(KVConnector):
         self._renewer = threading.Thread(target=self._renew_loop, name="kv-renew", daemon=True)
         self._renewer.start()
         self._transfers: list[tuple[int, float]] = []
+        self._claims_s: list[float] = []
 
     # -- scheduler hooks (engine thread) ----------------------------------------------
 
@@ -218,10 +219,11 @@ class DecodeConnector(KVConnector):
         return NodeKVInfo(self.layout, self.transport.info())
 
     def take_stats(self) -> KVConnectorStats:
-        """Reads completed since the last call, as (bytes, seconds), for the metrics."""
+        """Reads and claims completed since the last call, for the metrics."""
         with self._lock:
-            taken, self._transfers = self._transfers, []
-        return KVConnectorStats(tuple(taken))
+            transfers, self._transfers = self._transfers, []
+            claims_s, self._claims_s = self._claims_s, []
+        return KVConnectorStats(tuple(transfers), tuple(claims_s))
 
     # -- the load (worker threads) ----------------------------------------------------
 
@@ -266,6 +268,8 @@ class DecodeConnector(KVConnector):
                 self._send_release(remote, ReleaseReason.REJECTED)
             return self._failure(load, f"claim refused ({outcome})")
         load.claimed = True
+        with self._lock:
+            self._claims_s.append(time.monotonic() - claim_sent_s)
         if self.seams.kv_read_delay_s:
             time.sleep(self.seams.kv_read_delay_s)
         budget_s = claim_timeout_s - CLAIM_MARGIN_S - (time.monotonic() - claim_sent_s)

@@ -50,10 +50,12 @@ class KVConnectorStats:
 
     transfers: tuple[tuple[int, float], ...] = ()
     """KV reads completed: (bytes, seconds) each."""
+    claims_s: tuple[float, ...] = ()
+    """Claims answered OK: the round trip to the prefill node, seconds each."""
 
     @property
     def is_empty(self) -> bool:
-        return not self.transfers
+        return not self.transfers and not self.claims_s
 
 
 @dataclass(frozen=True)

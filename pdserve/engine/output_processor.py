@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.request import Request, RequestTimes, TokenLogprob
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.outputs import CompletionOutput, RequestOutput
 
@@ -29,6 +29,7 @@ class _Group:
     num_cached_tokens: int = 0
     held_block_ids: tuple[int, ...] = ()
     error: str | None = None
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,6 +74,7 @@ class OutputProcessor:
             group.num_cached_tokens = max(group.num_cached_tokens, r.num_cached_tokens)
             group.held_block_ids += r.held_block_ids
             group.error = group.error or r.error
+            group.times = r.times() or group.times
             if self._absorb(r, sample):
                 stopped.append(r.request_id)
             touched[group.request_id] = group
@@ -137,4 +139,5 @@ class OutputProcessor:
             finished,
             held_block_ids=group.held_block_ids if finished else (),
             error=group.error,
+            times=group.times if finished else None,
         )

@@ -56,6 +56,22 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went inside the engine (seconds; the node's
+    `vllm:request_*_time_seconds` histograms)::
+
+        arrival ─queued─▶ admitted ─kv_load─▶ loaded ─prefill─▶ first token ─decode─▶ end
+
+    `kv_load_s` is 0 unless a decode node read the prompt's KV from a prefill node (its
+    handshake, claim and read); `prefill_s` then covers only the first token's step."""
+
+    queued_s: float
+    kv_load_s: float
+    prefill_s: float
+    decode_s: float
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -97,6 +113,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.admitted_time: float | None = None
+        """First left the waiting queue (blocks allocated); preemption does not reset it."""
+        self.loaded_time: float | None = None
+        """Its remote KV load ended."""
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -116,6 +138,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def times(self) -> RequestTimes | None:
+        """The phases of a request that produced a token and ended (an abort truncates
+        `decode_s`); None otherwise."""
+        admitted, first, end = self.admitted_time, self.first_token_time, self.finished_time
+        if admitted is None or first is None or end is None:
+            return None
+        loaded = self.loaded_time if self.loaded_time is not None else admitted
+        return RequestTimes(admitted - self.arrival_time, loaded - admitted, first - loaded,
+                            end - first)  # fmt: skip
 
     def __repr__(self) -> str:
         return (

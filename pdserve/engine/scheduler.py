@@ -23,8 +23,9 @@ The scheduler is role-agnostic: everything about KV transfer goes through the
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
@@ -71,7 +72,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         connector: KVConnector | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` stamps each request's phases (`Request.times`); the same clock as the
+        requests' `arrival_time`."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 "without chunked prefill, max_num_batched_tokens "
@@ -82,6 +86,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.connector = connector or NoKVConnector()
+        self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -168,6 +173,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0 and request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
+                request.admitted_time = self.clock()
             request.num_computed_tokens = num_computed
             block_ids = self.kv.block_ids(request.request_id)
             if num_remote:
@@ -224,6 +230,8 @@ class Scheduler:
             if token is None:
                 continue
             request.token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = self.clock()
             updated.append(request)
             status = self._stop_status(request, token)
             if status is not None:
@@ -248,6 +256,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.finished_time = self.clock()
         del self.requests[request.request_id]
         block_ids = self.kv.block_ids(request.request_id)
         if self.connector.on_request_finished(request, block_ids):
@@ -271,6 +280,7 @@ class Scheduler:
             request, num_loaded = self.loading.pop(result.request_id, (None, 0))
             if request is None:  # aborted meanwhile: its blocks are held until the read ended
                 continue
+            request.loaded_time = self.clock()
             if result.error is not None:
                 request.error = result.error
                 self._finish(request, RequestStatus.FINISHED_ERROR)

@@ -322,6 +322,9 @@ def test_metrics_use_vllm_names_and_count_tokens(server: Server, client: openai.
         "pdserve_kv_blocks_free",
     ):
         _metric(after, name)
+    for phase in ("queue", "prefill", "decode"):  # one more finished request in each
+        name = f"vllm:request_{phase}_time_seconds_count"
+        assert _metric(after, name) == _metric(before.text, name) + 1
     gained = _metric(after, "vllm:generation_tokens_total") - _metric(
         before.text, "vllm:generation_tokens_total"
     )

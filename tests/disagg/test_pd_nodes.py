@@ -251,6 +251,10 @@ def test_s21_preempted_after_the_transfer_recomputes_without_a_second_read(
         assert [token_ids(r.json()) for r in responses] == expected
         assert metric(small, "pdserve_preemptions") > 0
         assert metric(small, "pdserve_kv_transfer_seconds_count") == len(bodies)
+        # Per-phase timing: one claim and one KV load per leg, a decode phase for each.
+        assert metric(small, "pdserve_handoff_claim_seconds_count") == len(bodies)
+        assert metric(small, "pdserve_request_kv_load_seconds_count") == len(bodies)
+        assert metric(small, "vllm:request_decode_time_seconds_count") == len(bodies)
         wait_idle(small, RELEASED_WITHIN_S)
         wait_idle(cluster.prefill, RELEASED_WITHIN_S)
 

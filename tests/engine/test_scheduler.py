@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, LoadResult
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, RequestTimes
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -44,6 +44,7 @@ def make_scheduler(
     connector: KVConnector | None = None,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    clock: Callable[[], float] | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -51,7 +52,9 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
     )
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(config, kv, max_model_len, connector)
+    if clock is None:
+        return Scheduler(config, kv, max_model_len, connector)
+    return Scheduler(config, kv, max_model_len, connector, clock)
 
 
 def run_step(scheduler: Scheduler, token: int = SAMPLED_TOKEN) -> SchedulerOutput:
@@ -491,6 +494,60 @@ def test_max_model_len_finishes_with_length() -> None:
     assert request.status is RequestStatus.FINISHED_LENGTH
     assert request.num_tokens == 10
     assert request.num_output_tokens == 4
+
+
+# -- phase times -----------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_finished_request_reports_where_its_time_went() -> None:
+    clock = FakeClock()
+    scheduler = make_scheduler(clock=clock, max_num_seqs=1, max_num_batched_tokens=4)
+    first = Request("first", list(range(6)), SamplingParams(max_tokens=2), arrival_time=100.0)
+    queued = Request("queued", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=100.0)
+    scheduler.add_request(first)
+    scheduler.add_request(queued)
+    for now in (100.5, 101.0, 103.0):  # first: a chunk, the rest + a token, a token
+        clock.now = now
+        run_step(scheduler)
+    assert first.times() == RequestTimes(queued_s=0.5, kv_load_s=0.0, prefill_s=0.5, decode_s=2.0)
+    assert queued.times() is None  # still waiting for the only seat
+    for now in (104.0, 110.0):
+        clock.now = now
+        run_step(scheduler)
+    assert queued.times() == RequestTimes(queued_s=4.0, kv_load_s=0.0, prefill_s=0.0, decode_s=6.0)
+
+
+def test_a_remote_load_is_its_own_phase() -> None:
+    clock = FakeClock()
+    connector = RecordingConnector(remote={"d": 9})
+    scheduler = make_scheduler(clock=clock, connector=connector)
+    d = Request("d", list(range(10)), SamplingParams(max_tokens=1), arrival_time=100.0)
+    scheduler.add_request(d)
+    clock.now = 101.0
+    run_step(scheduler)  # admitted, loading
+    clock.now = 104.0
+    connector.loads_finished = [LoadResult("d", ok=True)]
+    scheduler.tick()
+    clock.now = 104.5
+    run_step(scheduler)
+    assert d.times() == RequestTimes(queued_s=1.0, kv_load_s=3.0, prefill_s=0.5, decode_s=0.0)
+
+
+def test_a_request_aborted_before_its_first_token_reports_no_times() -> None:
+    scheduler = make_scheduler(clock=FakeClock(), max_num_batched_tokens=4)
+    request = make_request(6, max_tokens=5)
+    scheduler.add_request(request)
+    run_step(scheduler)  # the first chunk: no token yet
+    scheduler.finish_requests(["r0"], ABORTED)
+    assert request.admitted_time is not None and request.times() is None
 
 
 # -- connector hooks -------------------------------------------------------------------------
