@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdserve import envs, logs
+from pdserve import envs, logs, tracing
 from pdserve.config import (
     DTYPES,
     KERNEL_CHOICES,
@@ -28,6 +28,7 @@ from pdserve.config import (
 from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, KVTransportKind, Role
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.seams import Seams
+from pdserve.tls import add_tls_args, tls_options
 
 GIB = 1 << 30
 
@@ -131,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.llm import engine_config
 
     api_key = args.api_key or envs.api_key()
+    tls = tls_options(args)
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -138,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         drain_timeout_s=args.drain_timeout_s,
         parent_pid=args.parent_pid,
+        tls=tls,
     )
     kv_transfer = KVTransferConfig(
         role=Role(args.role),
@@ -147,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         transport=KVTransportKind(args.kv_transport),
         cluster_secret=args.cluster_secret or envs.cluster_secret() or api_key,
         advertise_host=args.advertise_host,
+        tls=tls,
     )
     seams = Seams(kv_read_delay_s=args.debug_kv_read_delay_s, step_delay_s=args.debug_step_delay_s)
     engine = engine_config(model=args.model, **engine_options(args))
@@ -174,6 +178,7 @@ def _proxy(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s,
         parent_pid=args.parent_pid,
         model=None if args.model == "none" else args.model,
+        tls=tls_options(args),
         **routing_options(args),
     )
     seams = Seams(between_legs_s=args.debug_delay_between_legs_s)
@@ -188,6 +193,14 @@ def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
         choices=logs.LEVELS,
         help="default: PDSERVE_LOG_LEVEL, else info; debug adds every HTTP client request",
     )
+
+
+def _trace_service_name(args: argparse.Namespace) -> str:
+    """The `service.name` of this process's spans: pdserve-proxy, pdserve-prefill, ..."""
+    role = getattr(args, "role", None)
+    if args.command == "serve":
+        return "pdserve" if role in (None, Role.BOTH.value) else f"pdserve-{role}"
+    return f"pdserve-{args.command}" if args.command != "up" else "pdserve-proxy"
 
 
 def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
@@ -247,6 +260,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     add_parent_pid_arg(srv)
     add_log_level_arg(srv)
+    tracing.add_otlp_arg(srv)
+    add_tls_args(srv)
     _add_disagg_args(srv.add_argument_group("prefill/decode disaggregation"))
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
@@ -324,6 +339,8 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     add_routing_args(prx)
     add_parent_pid_arg(prx)
     add_log_level_arg(prx)
+    tracing.add_otlp_arg(prx)
+    add_tls_args(prx)
     prx.add_argument(
         "--debug-delay-between-legs-s", type=float, default=0.0, help=argparse.SUPPRESS
     )
@@ -370,10 +387,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         logs.configure(getattr(args, "log_level", None) or envs.log_level())
+        tracing.configure(getattr(args, "otlp_endpoint", None), _trace_service_name(args))
         return int(args.func(args))
     except PdserveError as e:
         print(f"pdserve: error: {e.message}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

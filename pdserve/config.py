@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
+from pdserve.tls import TLSConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -153,6 +154,8 @@ class ServerConfig:
     """After SIGTERM, how long in-flight requests may take before they are aborted."""
     parent_pid: int | None = None
     """Drain and exit once this process is gone (launchers such as `pdserve up` set it)."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """Serve HTTPS (`pdserve/tls.py`); default: plain HTTP."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -209,6 +212,8 @@ class ProxyConfig:
     """The longest a request waits for a slot before its 429."""
     max_concurrency_per_key: int = 0
     """Requests in flight per API key (bearer token); 0: no per-key limit."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """Serve HTTPS to clients, and verify `https://` nodes against its CA (`pdserve/tls.py`)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.prefill_urls), "at least one prefill node is needed")

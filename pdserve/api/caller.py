@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from pdserve import tracing
+from pdserve.tracing import Span
+
 T = TypeVar("T")
 
 MAX_REQUEST_ID_CHARS = 256
@@ -72,3 +75,14 @@ async def unless_gone_closing(
         return None
     finally:
         gone.cancel()
+
+
+def request_span(request: Request, request_id: str) -> Span:
+    """The span of one request on this server (`NULL_SPAN` while tracing is off), the child
+    of the caller's when its headers carry a `traceparent` (the proxy's legs do)."""
+    span = tracing.start_span(f"{request.method} {request.url.path}", request.headers)
+    span.set("pdserve.request_id", request_id)
+    caller_id = client_request_id(request.headers)
+    if caller_id:
+        span.set("pdserve.client_request_id", caller_id)
+    return span

@@ -39,6 +39,7 @@ from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import ServerShuttingDownError
 from pdserve.parent_watch import ParentWatch
 from pdserve.seams import NO_SEAMS, Seams
+from pdserve.tls import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ async def run_server(
     cluster_secret = kv_transfer.cluster_secret or config.api_key
     legs = node_legs(kv_transfer, client, metrics, config.host, config.port, cluster_secret)
     state = ServerState(client, legs, metrics, model_name, config.api_key, seams)
+    warn_if_exposed(config.host, config.tls, "the node")
     server = _DrainingServer(_uvicorn_config(state, config), state, config.drain_timeout_s)
     serving = asyncio.create_task(server.serve())
     sweeper = watcher = None
@@ -119,7 +121,9 @@ async def run_server(
         if legs.handoffs is not None:
             sweeper = asyncio.create_task(legs.handoffs.run_sweeper())
         state.ready = True
-        logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
+        logger.info(
+            "serving %s on %s://%s:%d", model_name, config.tls.scheme, config.host, config.port
+        )
         await serving
     finally:
         state.draining = True
@@ -139,4 +143,5 @@ def _uvicorn_config(state: ServerState, config: ServerConfig) -> uvicorn.Config:
         log_level=logs.uvicorn_level(),
         lifespan="off",
         timeout_graceful_shutdown=_FINAL_GRACE_S,
+        **config.tls.uvicorn_options(),
     )

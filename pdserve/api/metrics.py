@@ -18,6 +18,7 @@ from pdserve.engine.kv_connector import KVConnectorStats
 from pdserve.engine.request import RequestTimes
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput
+from pdserve.tracing import NULL_SPAN, Span
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -153,10 +154,11 @@ class MetricsRecorder:
         self.requests.labels(self.model_name, outcome).inc()
 
     async def track(
-        self, outputs: AsyncGenerator[RequestOutput, None]
+        self, outputs: AsyncGenerator[RequestOutput, None], span: Span = NULL_SPAN
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Pass outputs through, observing latencies and token counts; closing this closes
-        `outputs` (which aborts the request)."""
+        """Pass outputs through, observing latencies and token counts, and the engine's
+        phases in `span` (the request's, ended here); closing this closes `outputs`
+        (which aborts the request)."""
         m = self.model_name
         start = last = time.monotonic()
         num_tokens = 0
@@ -178,6 +180,7 @@ class MetricsRecorder:
                     self.e2e.labels(m).observe(now - start)
                     if output.times is not None:
                         self._record_times(output.times)
+                        span.add_phases(output.times)
                 yield output
         except PdserveError:
             outcome = None  # refused by the engine: the HTTP layer counts it with its status
@@ -185,4 +188,6 @@ class MetricsRecorder:
         finally:
             if outcome is not None:
                 self.requests.labels(m, outcome).inc()
+            span.set("pdserve.outcome", outcome or "refused")
+            span.end()
             await outputs.aclose()

@@ -34,7 +34,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pdserve.api.caller import client_request_id, unless_gone_closing, wait_disconnect
+from pdserve.api.caller import (
+    client_request_id,
+    request_span,
+    unless_gone_closing,
+    wait_disconnect,
+)
 from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.edge import OPEN_PATHS, EdgeMiddleware
 from pdserve.api.errors import (
@@ -241,7 +246,8 @@ async def _generate(
     state.legs.loading(request_id, kv)
     try:
         outputs = state.metrics.track(
-            state.client.generate(request_id, builder.params, **inputs, kv_transfer=kv)
+            state.client.generate(request_id, builder.params, **inputs, kv_transfer=kv),
+            request_span(request, request_id),
         )
         if state.seams.step_delay_s:
             outputs = _paced(outputs, state.seams.step_delay_s)

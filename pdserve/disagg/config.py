@@ -8,10 +8,11 @@ reaches the engine only as the connector factory the launcher picks
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve.errors import ConfigError
+from pdserve.tls import TLSConfig
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -82,6 +83,9 @@ class KVTransferConfig:
     advertise_host: str | None = None
     """Prefill node: the address decode nodes use to reach it (`remote_host`); default: the
     host it listens on, or this machine's address when that is 0.0.0.0."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """The node's own TLS (`pdserve/tls.py`): a node that serves HTTPS calls prefill
+    nodes' `/kv/*` over HTTPS, verified against `tls.ca_certs`."""
 
     def __post_init__(self) -> None:
         # Strings are accepted for the enums (a config file, a test): converted here, once.

@@ -394,7 +394,7 @@ class PDConnectorFactory:
             return PrefillConnector(transport, layout)
         return DecodeConnector(
             transport,
-            ControlClient(kv.cluster_secret),
+            ControlClient(kv.cluster_secret, kv.tls),
             layout,
             block_size,
             fail_on_load_error=kv.kv_load_failure is KVLoadFailurePolicy.FAIL,

@@ -33,6 +33,7 @@ from pdserve.disagg.messages import (
     RenewReply,
 )
 from pdserve.disagg.params import HandoffRef
+from pdserve.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,18 @@ class ControlError(Exception):
 
 
 class ControlClient:
-    def __init__(self, credential: str | None, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+    """A decode node's calls to prefill nodes' `/kv/*`, over HTTPS when the node has TLS
+    (peers verified against `tls.ca_certs`, `pdserve/tls.py`)."""
+
+    def __init__(
+        self,
+        credential: str | None,
+        tls: TLSConfig | None = None,
+        timeout_s: float = CONTROL_TIMEOUT_S,
+    ) -> None:
         headers = {"Authorization": f"Bearer {credential}"} if credential else {}
-        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+        verify = (tls or TLSConfig()).client_context()
+        self._http = httpx.Client(headers=headers, timeout=timeout_s, verify=verify)
 
     def handshake(self, url: str) -> Handshake:
         data = self._call("GET", f"{url}/kv/handshake")

@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.api.caller import unless_gone_closing
+from pdserve.api.caller import request_span, unless_gone_closing
 from pdserve.api.errors import from_exception, validate_body
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.responses import ChoiceBuilder
@@ -44,6 +44,7 @@ from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.engine.kv_connector import KVTransferSpec
 from pdserve.errors import InvalidRequestError, KVTransferError, PdserveError, RequestAbortedError
 from pdserve.outputs import RequestOutput
+from pdserve.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,11 @@ class NodeLegs:
         metrics: MetricsRecorder,
         cluster_secret: str | None = None,
         handoffs: HandoffService | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.role = role
+        self.tls = tls or TLSConfig()
+        """The node's TLS: its scheme is also the one for prefill nodes' `/kv/*`."""
         self.client = client
         self.metrics = metrics
         self.cluster_secret = cluster_secret
@@ -96,7 +100,7 @@ class NodeLegs:
             )
         if params.do_remote_decode:
             return remote_decode_from(params)
-        return remote_prefill_from(params)
+        return remote_prefill_from(params, self.tls.scheme)
 
     async def refused(self, kv: KVTransferSpec | None, error: PdserveError) -> None:
         """A leg failed before or in the engine with `error`. A decode leg the engine never
@@ -119,7 +123,7 @@ class NodeLegs:
 
     async def _release_rejected(self, remote: RemotePrefill) -> None:
         if self._control is None:  # one pooled client: a new one costs ~30 ms (TLS setup)
-            self._control = ControlClient(self.cluster_secret)
+            self._control = ControlClient(self.cluster_secret, self.tls)
         try:
             await asyncio.to_thread(
                 self._control.release, remote.control_url, remote.ref, ReleaseReason.REJECTED
@@ -157,7 +161,8 @@ class NodeLegs:
         )
         handoff = service.begin(builder.request_id, client_request_id, kv.release_token)
         outputs = self.metrics.track(
-            self.client.generate(builder.request_id, builder.params, **inputs, kv_transfer=kv)
+            self.client.generate(builder.request_id, builder.params, **inputs, kv_transfer=kv),
+            request_span(request, builder.request_id),
         )
         try:
             final = await unless_gone_closing(request, _last(outputs), outputs)
@@ -224,7 +229,7 @@ def node_legs(
             config.claim_timeout_s,
             observer,
         )
-    return NodeLegs(config.role, client, metrics, cluster_secret, handoffs)
+    return NodeLegs(config.role, client, metrics, cluster_secret, handoffs, config.tls)
 
 
 def advertised_host(host: str) -> str:

@@ -98,8 +98,9 @@ class RemotePrefill(KVTransferSpec):
     lease_s: float
 
 
-def remote_prefill_from(params: KVTransferParams) -> RemotePrefill:
-    """Validate a decode leg's params; a missing field is a 400 naming it."""
+def remote_prefill_from(params: KVTransferParams, scheme: str = "http") -> RemotePrefill:
+    """Validate a decode leg's params; a missing field is a 400 naming it. `scheme`: how
+    this node reaches the prefill node (its own: `https` with TLS, `pdserve/tls.py`)."""
     required = (
         "remote_request_id",
         "remote_block_ids",
@@ -123,7 +124,7 @@ def remote_prefill_from(params: KVTransferParams) -> RemotePrefill:
     return RemotePrefill(
         ref=HandoffRef(str(params.remote_request_id), str(params.release_token), params.epoch),
         engine_id=params.remote_engine_id or "",
-        control_url=f"http://{params.remote_host}:{params.remote_port}",
+        control_url=f"{scheme}://{params.remote_host}:{params.remote_port}",
         block_ids=tuple(params.remote_block_ids),
         num_tokens=params.remote_num_tokens,
         lease_s=params.lease_s or KVTransferConfig.lease_s,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
@@ -40,6 +41,7 @@ from pdserve.proxy.legs import Stage, serve_request
 from pdserve.proxy.pool import BackendPool, BreakerState, check_health
 from pdserve.proxy.routing import Router, make_router
 from pdserve.seams import NO_SEAMS, Seams
+from pdserve.tls import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ class ProxyMetrics:
 class ProxyState:
     config: ProxyConfig
     seams: Seams = NO_SEAMS
+    node_ssl: ssl.SSLContext = field(init=False)
+    """Verifies https nodes (legs, health checks, releases)."""
     prefill: BackendPool = field(init=False)
     decode: BackendPool = field(init=False)
     router: Router = field(init=False)
@@ -144,8 +148,9 @@ class ProxyState:
     shutdown so that none is dropped."""
 
     def __post_init__(self) -> None:
-        self.prefill = BackendPool("prefill", self.config.prefill_urls)
-        self.decode = BackendPool("decode", self.config.decode_urls)
+        self.node_ssl = self.config.tls.client_context()
+        self.prefill = BackendPool("prefill", self.config.prefill_urls, self.node_ssl)
+        self.decode = BackendPool("decode", self.config.decode_urls, self.node_ssl)
         self.router = make_router(self.config)
         self.admission = Admission(self.config)
 
@@ -249,7 +254,7 @@ async def _models(state: ProxyState) -> Response:
 async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
     """The shared HTTP client and the health checks live as long as the app."""
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
-    state.http = httpx.AsyncClient(limits=limits)
+    state.http = httpx.AsyncClient(limits=limits, verify=state.node_ssl)
     pools = [state.prefill, state.decode]
     summaries = state.router.reads_prompts
     checker = asyncio.create_task(
@@ -291,8 +296,14 @@ async def run_proxy(state: ProxyState) -> None:
     config = state.config
     server = uvicorn.Server(proxy_uvicorn_config(state))
     prefill, decode = list(config.prefill_urls), list(config.decode_urls)
+    warn_if_exposed(config.host, config.tls, "the proxy")
     logger.info(
-        "proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port, prefill, decode
+        "proxy on %s://%s:%d: prefill %s, decode %s",
+        config.tls.scheme,
+        config.host,
+        config.port,
+        prefill,
+        decode,
     )
     watcher = None
     if config.parent_pid is not None:
@@ -312,4 +323,5 @@ def proxy_uvicorn_config(state: ProxyState) -> uvicorn.Config:
         port=state.config.port,
         log_level=logs.uvicorn_level(),
         timeout_graceful_shutdown=2,
+        **state.config.tls.uvicorn_options(),
     )

@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from typing import IO
 import httpx
 
 from pdserve.errors import PdserveError
+from pdserve.tls import TLSConfig
 
 
 class NodeError(PdserveError):
@@ -37,6 +39,8 @@ class NodeError(PdserveError):
 class Node:
     url: str
     process: subprocess.Popen[bytes]
+    verify: ssl.SSLContext | bool = True
+    """How its certificate is checked when it serves HTTPS (`launch`'s `tls`)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,10 +56,12 @@ def launch(
     port: int | None = None,
     command: str = "serve",
     output: IO[bytes] | None = None,
+    tls: TLSConfig | None = None,
 ) -> Node:
     """`pdserve <command> --host H --port P <args>` in a subprocess, tied to this process
     (`--parent-pid`); returns at once. Its stdout and stderr go to `output` (default: this
-    process's)."""
+    process's). With `tls`, it serves HTTPS with those files."""
+    tls = tls or TLSConfig()
     port = port or free_port(host)
     cmd = [
         sys.executable,
@@ -70,9 +76,10 @@ def launch(
         str(os.getpid()),
     ]
     process = subprocess.Popen(
-        [*cmd, *args], env={**os.environ, **(env or {})}, stdout=output, stderr=output
-    )
-    return Node(f"http://{host}:{port}", process)
+        [*cmd, *tls.as_args(), *args], env={**os.environ, **(env or {})}, stdout=output,
+        stderr=output,
+    )  # fmt: skip
+    return Node(f"{tls.scheme}://{host}:{port}", process, tls.client_context())
 
 
 @contextlib.contextmanager
@@ -100,7 +107,7 @@ def wait_healthy(
         if node.process.poll() is not None:
             raise NodeError(f"node {node.url} exited with {node.process.returncode}")
         try:
-            status = httpx.get(f"{node.url}/health", timeout=1).status_code
+            status = httpx.get(f"{node.url}/health", timeout=1, verify=node.verify).status_code
         except httpx.HTTPError:
             status = 0
         if status and on_status is not None:

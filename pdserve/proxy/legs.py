@@ -55,13 +55,20 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.caller import ClientGone, client_request_id, unless_gone, wait_disconnect
+from pdserve.api.caller import (
+    ClientGone,
+    client_request_id,
+    request_span,
+    unless_gone,
+    wait_disconnect,
+)
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
 from pdserve.errors import PdserveError
 from pdserve.proxy.assembler import StreamAssembler
 from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.routing import Prompt
 from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
+from pdserve.tracing import Span, SpanKind
 
 if TYPE_CHECKING:
     from pdserve.proxy.app import ProxyState
@@ -98,6 +105,8 @@ class _Client:
         self.request = request
         self.request_id = client_request_id(request.headers) or f"pdproxy-{secrets.token_hex(8)}"
         self.stage = Stage.PREFILL
+        self.span = request_span(request, self.request_id)
+        """The request's trace span: ended by `serve_request`, or by the stream it returns."""
         self._gone = asyncio.ensure_future(wait_disconnect(request))
 
     async def unless_gone(self, work: Awaitable[T]) -> T:
@@ -127,38 +136,49 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         state.metrics.requests.labels(outcome).inc()
         return body
     client = _Client(request)
+    response: Response = Response(status_code=499)
     try:
-        prompt = state.router.prompt(body, chat=path == "/v1/chat/completions")
-        decode = state.router.choose(state.decode, prompt)
-        if decode is not None and state.router.runs_whole(decode, prompt):
-            state.metrics.paths.labels("decode_only").inc()
-            return await _decode_leg(state, client, path, body, _Held(), {}, prompt, decode)
-        state.metrics.paths.labels("pd").inc()
-        prefill = await _prefill_leg(state, client, path, body, prompt)
-        if isinstance(prefill, Response):
-            return prefill
-        backend, answer = prefill
-        kv = answer.get("kv_transfer_params")
-        if not isinstance(kv, dict):
-            state.metrics.requests.labels("upstream_error").inc()
-            return error_response(
-                502, "the prefill node returned no kv_transfer_params", "upstream_error"
-            )
-        client.stage = Stage.BETWEEN_LEGS
-        if state.seams.between_legs_s:
-            await asyncio.sleep(state.seams.between_legs_s)
-        held = _Held(state, backend, kv)
-        if client.gone or await request.is_disconnected():  # S3: gone between the legs
-            await held.release()
-            raise ClientGone
-        usage = answer.get("usage") or {}
-        return await _decode_leg(state, client, path, body, held, usage, prompt, None)
+        response = await _route(state, client, path, body)
     except ClientGone:
         state.record_departure(client.request_id, client.stage)
         state.metrics.requests.labels("client_gone").inc()
-        return Response(status_code=499)
     finally:
         client.close()
+        client.span.set("http.response.status_code", response.status_code)
+        if not isinstance(response, StreamingResponse):  # else the stream ends the span
+            client.span.end()
+    return response
+
+
+async def _route(state: ProxyState, client: _Client, path: str, body: dict[str, Any]) -> Response:
+    """Both legs, or the decode leg alone (selective disaggregation)."""
+    prompt = state.router.prompt(body, chat=path == "/v1/chat/completions")
+    decode = state.router.choose(state.decode, prompt)
+    if decode is not None and state.router.runs_whole(decode, prompt):
+        state.metrics.paths.labels("decode_only").inc()
+        client.span.set("pdserve.path", "decode_only")
+        return await _decode_leg(state, client, path, body, _Held(), {}, prompt, decode)
+    state.metrics.paths.labels("pd").inc()
+    client.span.set("pdserve.path", "pd")
+    prefill = await _prefill_leg(state, client, path, body, prompt)
+    if isinstance(prefill, Response):
+        return prefill
+    backend, answer = prefill
+    kv = answer.get("kv_transfer_params")
+    if not isinstance(kv, dict):
+        state.metrics.requests.labels("upstream_error").inc()
+        return error_response(
+            502, "the prefill node returned no kv_transfer_params", "upstream_error"
+        )
+    client.stage = Stage.BETWEEN_LEGS
+    if state.seams.between_legs_s:
+        await asyncio.sleep(state.seams.between_legs_s)
+    held = _Held(state, backend, kv)
+    if client.gone or await client.request.is_disconnected():  # S3: gone between the legs
+        await held.release()
+        raise ClientGone
+    usage = answer.get("usage") or {}
+    return await _decode_leg(state, client, path, body, held, usage, prompt, None)
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
@@ -192,13 +212,15 @@ async def _prefill_leg(
         token = secrets.token_urlsafe(24)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "release_token": token}
         started = time.perf_counter()
+        span = _leg_span(client, "prefill leg", backend)
         try:
             payload = json.dumps(leg).encode()
-            headers = _leg_headers(state, client)
+            headers = _leg_headers(state, client, span)
             tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=False)
             status, content = await client.unless_gone(
                 _post(backend, path, payload, headers, state.config.prefill_timeout_s, tokens)
             )
+            span.set("http.response.status_code", status)
         except (ClientGone, UpstreamError) as e:
             if not isinstance(e, Unreachable):  # it may have reached the node: let it go
                 state.spawn(release(state, backend, client.request_id, token))
@@ -210,6 +232,8 @@ async def _prefill_leg(
             logger.warning("prefill leg on %s failed: %s", backend.url, e)
             last_error = _upstream_failure(backend, e)
             continue
+        finally:
+            span.end()
         state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
         backend.record_leg(status < 500)
         if status == 200:
@@ -277,12 +301,19 @@ async def _decode_leg(
     for backend in _attempts(state, state.decode, prompt, first):
         started = time.perf_counter()
         tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=held.kv is not None)
+        span = _leg_span(client, "decode leg", backend)
         try:
             send = backend.post_json(
-                path, payload, _leg_headers(state, client), state.config.decode_timeout_s, tokens
+                path,
+                payload,
+                _leg_headers(state, client, span),
+                state.config.decode_timeout_s,
+                tokens,
             )
             response = await client.unless_gone(send)
+            span.set("http.response.status_code", response.status)
         except (ClientGone, UpstreamError) as e:
+            span.end()
             if not isinstance(e, ClientGone):
                 backend.record_leg(False)
             if isinstance(e, Unreachable):
@@ -296,15 +327,20 @@ async def _decode_leg(
             return _upstream_failure(backend, e)
         backend.record_leg(response.status < 500)
         if response.status != 200:
+            span.end()
             return await _decode_refused(state, response, held)
         state.router.sent(backend, prompt)
         if body.get("stream"):
+            relay = _relay_stream(state, client, backend, response, prefill_usage, started, span)
             return StreamingResponse(
-                _relay_stream(state, client.request_id, backend, response, prefill_usage, started),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        return await _decode_answer(state, client, backend, response, held, prefill_usage, started)
+        try:
+            return await _decode_answer(
+                state, client, backend, response, held, prefill_usage, started
+            )
+        finally:
+            span.end()
     await held.release()
     state.metrics.requests.labels("upstream_error").inc()
     return error_response(503, "no decode node is available", "service_unavailable")
@@ -391,16 +427,18 @@ def _stream_error(error: dict[str, Any]) -> Response:
 
 async def _relay_stream(
     state: ProxyState,
-    request_id: str,
+    client: _Client,
     backend: Backend,
     response: UpstreamResponse,
     prefill_usage: dict[str, Any],
     started: float,
+    span: Span,
 ) -> AsyncIterator[bytes]:
     """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
     client left) closes the decode leg's connection, which aborts it on the node. A stream
     the node ended with an error event (aborted mid-stream: drain timeout, operator) is
-    relayed as it came and counted as an upstream error."""
+    relayed as it came and counted as an upstream error. Ends the leg's `span` and the
+    request's."""
     outcome = "client_gone"
     failed = False
     try:
@@ -427,7 +465,10 @@ async def _relay_stream(
         state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
         state.metrics.requests.labels(outcome).inc()
         if outcome == "client_gone":
-            state.record_departure(request_id, Stage.STREAMING)
+            state.record_departure(client.request_id, Stage.STREAMING)
+        span.set("pdserve.outcome", outcome)
+        span.end()
+        client.span.end()
 
 
 def _with_merged_usage(line: bytes, prefill_usage: dict[str, Any]) -> bytes:
@@ -461,10 +502,14 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _leg_headers(state: ProxyState, client: _Client) -> dict[str, str]:
-    if not client.request_id:
-        return state.node_headers
-    return {**state.node_headers, "x-request-id": client.request_id}
+def _leg_headers(state: ProxyState, client: _Client, span: Span) -> dict[str, str]:
+    return {**state.node_headers, "x-request-id": client.request_id, **span.headers()}
+
+
+def _leg_span(client: _Client, name: str, backend: Backend) -> Span:
+    span = client.span.child(name, SpanKind.CLIENT)
+    span.set("pdserve.node", backend.url)
+    return span
 
 
 def _attempts(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -115,8 +116,11 @@ class Backend:
     )
     """(when, token ids) of prompts sent: cached there soon, maybe not yet summarized."""
 
+    ssl_context: ssl.SSLContext | None = None
+    """Verifies an https node's certificate (`pdserve/tls.py`)."""
+
     def __post_init__(self) -> None:
-        self.upstream = Node(self.url)
+        self.upstream = Node(self.url, self.ssl_context)
 
     async def post_json(
         self,
@@ -192,9 +196,11 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, role: str, urls: Iterable[str]) -> None:
+    def __init__(
+        self, role: str, urls: Iterable[str], ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.role = role
-        self.backends = [Backend(url.rstrip("/"), role) for url in urls]
+        self.backends = [Backend(url.rstrip("/"), role, ssl_context=ssl_context) for url in urls]
 
     def candidates(self, exclude: Collection[str] = frozenset()) -> list[Backend]:
         """The nodes a leg may go to now: up, breaker letting legs through, not excluded."""

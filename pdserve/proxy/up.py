@@ -5,7 +5,8 @@ launch the prefill and decode nodes (subprocesses, loopback, free ports)
 → Ctrl-C / SIGTERM: the proxy stops, then every node gets SIGTERM and drains (SIGKILL
 of this process: each node notices its parent gone, `--parent-pid`, and drains too)
 With --ask PROMPT: once up, send one chat request through the proxy, print the answer,
-and stop (what `make run` does).
+and stop (what `make run` does). With --tls: a throwaway cluster CA and certificate (in a
+temporary folder, removed at exit) and every hop over HTTPS (`pdserve/tls.py`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import asyncio
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 import uvicorn
 
-from pdserve import logs
+from pdserve import logs, tracing
 from pdserve.config import ModelConfig, ProxyConfig
 from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.routing import add_routing_args, routing_options
+from pdserve.tls import TLSConfig, make_cluster_certs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="this process's and the nodes' (default: PDSERVE_LOG_LEVEL, else "
         "info); debug adds every HTTP client request",
     )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="every hop over HTTPS, with a throwaway cluster CA (needs pdserve[tls])",
+    )
+    tracing.add_otlp_arg(up)
     up.set_defaults(func=run)
 
 
@@ -67,6 +77,7 @@ def node_args(args: argparse.Namespace, role: str) -> list[str]:
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--log-level", args.log_level),
+        ("--otlp-endpoint", args.otlp_endpoint),
     ):
         if value is not None:
             argv += [flag, str(value)]
@@ -80,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     env = {**LOCAL_UCX_ENV, **{k: v for k, v in os.environ.items() if k in LOCAL_UCX_ENV}}
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     nodes: list[Node] = []
-    with sigterm_as_interrupt():
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="pdserve-tls-") as certs:
+        tls = make_cluster_certs(Path(certs)).config() if args.tls else TLSConfig()
         try:
             for role in roles:
-                nodes.append(launch(node_args(args, role), env))
+                nodes.append(launch(node_args(args, role), env, tls=tls))
             print(
                 f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
                 f"with model {args.model} ...",
@@ -93,14 +105,16 @@ def run(args: argparse.Namespace) -> int:
                 wait_healthy(node)
             listing = ", ".join(f"{r} {n.url}" for r, n in zip(roles, nodes, strict=True))
             print(f"nodes: {listing}", flush=True)
-            return asyncio.run(_serve(args, nodes, roles))
+            return asyncio.run(_serve(args, nodes, roles, tls))
         except KeyboardInterrupt:
             return 130
         finally:
             stop_all(nodes)
 
 
-async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) -> int:
+async def _serve(
+    args: argparse.Namespace, nodes: list[Node], roles: list[str], tls: TLSConfig
+) -> int:
     config = ProxyConfig(
         prefill_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"),
         decode_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"),
@@ -109,45 +123,47 @@ async def _serve(args: argparse.Namespace, nodes: list[Node], roles: list[str]) 
         api_key=args.api_key,
         node_api_key=args.api_key,
         model=args.model,
+        tls=tls,
         **routing_options(args),
     )
     server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
     serving = asyncio.create_task(server.serve())
-    url = f"http://{args.host}:{args.port}"
+    url = f"{tls.scheme}://{args.host}:{args.port}"
     while not server.started:
         if serving.done():
             return 1  # could not bind the port: uvicorn said why
         await asyncio.sleep(0.05)
     if args.ask is None:
-        _print_banner(url, args.api_key)
+        _print_banner(url, args.api_key, tls.ca_certs)
         await serving
         # Only SIGINT/SIGTERM stop it. uvicorn re-raises the signal once it has stopped,
         # but asyncio.run turns that into KeyboardInterrupt only if this task is still
         # running when the signal lands: say 130 here, whichever comes first.
         return 130 if server.should_exit else 0
     try:
-        print(await _ask(url, args.api_key, args.ask, args.max_tokens))
+        print(await _ask(url, args.api_key, args.ask, args.max_tokens, tls))
         return 0
     finally:
         server.should_exit = True
         await serving
 
 
-async def _ask(url: str, api_key: str | None, message: str, max_tokens: int) -> str:
+async def _ask(url: str, api_key: str | None, message: str, max_tokens: int, tls: TLSConfig) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {
         "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, verify=tls.client_context()) as client:
         response = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     response.raise_for_status()
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def _print_banner(url: str, api_key: str | None) -> None:
+def _print_banner(url: str, api_key: str | None, ca_certs: str | None) -> None:
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    auth += f" --cacert {ca_certs}" if ca_certs else ""
     question = '{"role": "user", "content": "What is the capital of France?"}'
     print(
         f"\npdserve cluster ready: {url}  (Ctrl-C stops everything)\n\n"

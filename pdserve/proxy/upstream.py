@@ -15,6 +15,7 @@ retried once on a fresh one: the node never saw that request.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -129,14 +130,17 @@ class UpstreamResponse:
 
 
 class Node:
-    """Keep-alive connections to one node (`http://host:port`)."""
+    """Keep-alive connections to one node (`http://host:port` or `https://host:port`; an
+    https node's certificate is verified with `ssl_context`, default: the system's CAs)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"node URL must be http://host:port, got {url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"node URL must be http(s)://host:port, got {url!r}")
         self.url = url.rstrip("/")
-        self.host, self.port = parts.hostname, parts.port or 80
+        https = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if https else 80)
+        self._ssl = (ssl_context or ssl.create_default_context()) if https else None
         self._idle: list[_Connection] = []
         self._host_header = f"{self.host}:{self.port}".encode()
 
@@ -163,8 +167,10 @@ class Node:
             except _StaleConnection:
                 continue
         try:
-            reader, writer = await _within(timeout_s, asyncio.open_connection(self.host, self.port))
-        except (OSError, UpstreamTimeout) as e:
+            reader, writer = await _within(
+                timeout_s, asyncio.open_connection(self.host, self.port, ssl=self._ssl)
+            )
+        except (OSError, UpstreamTimeout) as e:  # ssl.SSLError (a bad certificate) too
             raise Unreachable(f"cannot connect to {self.url}: {e}") from e
         try:
             return await self._exchange(_Connection(reader, writer), request, timeout_s)

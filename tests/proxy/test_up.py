@@ -28,13 +28,19 @@ def _cpu_levels() -> list[Any]:
     own = os.environ.get("PDSERVE_CPU_ISA", "auto")
     reason = f"the level here is already {effective().label}: the first case runs it"
     skip = pytest.mark.skipif(effective() <= CpuIsa.AVX2, reason=reason)
-    return [pytest.param(own, id=own), pytest.param("avx2", id="forced-avx2", marks=skip)]
+    return [
+        pytest.param(own, False, id=own),
+        pytest.param("avx2", False, id="forced-avx2", marks=skip),
+        pytest.param(own, True, id=f"{own}-tls"),  # every hop over HTTPS (pdserve/tls.py)
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cpu_level", _cpu_levels())
-def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(cpu_level: str) -> None:
+@pytest.mark.parametrize(("cpu_level", "tls"), _cpu_levels())
+def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(
+    cpu_level: str, tls: bool
+) -> None:
     port = free_port()
     cmd = [
         sys.executable,
@@ -47,17 +53,18 @@ def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(cpu_le
         "16",
         "--ask",
         "What is the capital of France?",
+        *(["--tls"] if tls else []),
     ]
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_CPU_ISA": cpu_level}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Paris" in done.stdout
     [listing] = [line for line in done.stdout.splitlines() if line.startswith("nodes: ")]
-    urls = re.findall(r"http://[0-9.:]+", listing)
-    assert len(urls) == 2
+    urls = re.findall(r"https?://[0-9.:]+", listing)
+    assert len(urls) == 2 and all(u.startswith("https://" if tls else "http://") for u in urls)
     for url in urls:  # every node was stopped
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{url}/health", timeout=2)
+            httpx.get(f"{url}/health", timeout=2, verify=False)
 
 
 def _descendants(pid: int) -> dict[int, str]:
