@@ -6,7 +6,9 @@ pinned to one core, and this process as the load generator (a minimal keep-alive
 client, so the generator is not what is measured). For each concurrency:
 - direct: clients → stub (one request each);
 - proxied: clients → proxy → stub (the prefill leg, then the decode leg).
-Reports p50/p99 latency and requests/s of both, and the p50 the proxy adds.
+Reports p50/p99 latency and requests/s of both, and the p50 the proxy adds. With `--tls`
+the same again with every hop over TLS (a throwaway CA, `pdserve/tls.py`; keep-alive
+connections, as the proxy keeps them): the direct rows' difference is one hop's cost.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import asyncio
 import functools
 import json
 import os
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.launch import free_port, launch, sigterm_as_interrupt
+from pdserve.tls import TLSConfig, make_cluster_certs
 
 BODY = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()
 
@@ -34,6 +40,10 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--concurrency", default="1,64", help="comma-separated")
     p.add_argument("--duration-s", type=float, default=5.0, help="per measurement")
     p.add_argument("--proxy-cpu", type=int, default=0, help="core the proxy is pinned to")
+    p.add_argument("--tls", action="store_true", help="also measure with every hop over TLS")
+    p.add_argument(
+        "--routing", default=None, help="the proxy's --routing (default: the proxy's default)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -79,6 +89,9 @@ async def stub_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             break
     if scope["path"] == "/health":
         answer, kind = b'{"status": "ok"}', b"application/json"
+    elif scope["path"] == "/admin/prefix_cache":  # an empty cache, as a fresh node's
+        answer = b'{"block_size": 16, "version": 0, "num_hashes": 0, "hashes": ""}'
+        kind = b"application/json"
     elif b'"do_remote_decode": true' in body:  # a prefill leg (a decode leg's says false)
         answer, kind = _PREFILL_ANSWER, b"application/json"
     elif b'"stream": true' in body:  # every decode leg the proxy sends
@@ -96,8 +109,10 @@ async def stub_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 # -- a lean keep-alive client ------------------------------------------------------------------
 
 
-async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection("127.0.0.1", port)
+async def _open(
+    port: int, context: ssl.SSLContext | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, ssl=context)
 
 
 async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
@@ -111,7 +126,9 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requ
     return int(status_line.split()[1])
 
 
-async def _load(port: int, concurrency: int, duration_s: float) -> tuple[list[float], int]:
+async def _load(
+    port: int, concurrency: int, duration_s: float, context: ssl.SSLContext | None = None
+) -> tuple[list[float], int]:
     request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                b"content-type: application/json\r\ncontent-length: "
                + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)  # fmt: skip
@@ -121,7 +138,7 @@ async def _load(port: int, concurrency: int, duration_s: float) -> tuple[list[fl
 
     async def client() -> None:
         nonlocal errors
-        reader, writer = await _open(port)
+        reader, writer = await _open(port, context)
         while time.perf_counter() < deadline:
             start = time.perf_counter()
             if await _post(reader, writer, request) != 200:
@@ -141,55 +158,70 @@ def _stats(latencies: list[float], duration_s: float) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     with sigterm_as_interrupt():  # SIGTERM stops the stub and the proxy as Ctrl-C does
-        return _run(args)
+        results = {"plain": _run(args, TLSConfig())}
+        if args.tls:
+            with tempfile.TemporaryDirectory(prefix="pdserve-bench-tls-") as certs:
+                results["tls"] = _run(args, make_cluster_certs(Path(certs)).config())
+    for mode, rows in results.items():
+        print(f"\n{mode}:")
+        _print(rows)
+    if args.tls:
+        for c in results["plain"]:
+            plain, tls = results["plain"][c], results["tls"][c]
+            hop = tls["direct"]["p50_ms"] - plain["direct"]["p50_ms"]
+            both = tls["proxy"]["p50_ms"] - plain["proxy"]["p50_ms"]
+            print(f"concurrency {c}: TLS adds {hop:.2f} ms p50 per hop (direct), "
+                  f"{both:.2f} ms to a proxied request (3 hops)")  # fmt: skip
+    if args.json:
+        print(json.dumps(results))
+    return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, tls: TLSConfig) -> dict[int, dict[str, Any]]:
     stub_port, proxy_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port),
-                             str(os.getpid())])  # fmt: skip
-    url = f"http://127.0.0.1:{stub_port}"
-    proxy = launch(["--prefill", url, "--decode", url], {"PDSERVE_LOG_LEVEL": "WARNING"},
-                   port=proxy_port, command="proxy").process  # fmt: skip
+                             str(os.getpid()), *tls.as_args()])  # fmt: skip
+    url = f"{tls.scheme}://127.0.0.1:{stub_port}"
+    routing = ["--routing", args.routing] if args.routing else []
+    proxy = launch(["--prefill", url, "--decode", url, *routing], {"PDSERVE_LOG_LEVEL": "WARNING"},
+                   port=proxy_port, command="proxy", tls=tls).process  # fmt: skip
+    context = tls.client_context() if tls.serves else None
     try:
         os.sched_setaffinity(proxy.pid, {args.proxy_cpu})
         others = set(range(os.cpu_count() or 1)) - {args.proxy_cpu} or {args.proxy_cpu}
         os.sched_setaffinity(stub.pid, others)
         os.sched_setaffinity(0, others)
         for port in (stub_port, proxy_port):
-            _wait_port(port)
+            _wait_port(port, context)
         results = {}
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             row: dict[str, Any] = {}
             for name, port in (("direct", stub_port), ("proxy", proxy_port)):
-                asyncio.run(_load(port, concurrency, 0.5))  # warm up connections and code
-                latencies, errors = asyncio.run(_load(port, concurrency, args.duration_s))
+                asyncio.run(_load(port, concurrency, 0.5, context))  # warm up
+                latencies, errors = asyncio.run(_load(port, concurrency, args.duration_s, context))
                 row[name] = {**_stats(latencies, args.duration_s), "errors": errors}
             row["added_p50_ms"] = row["proxy"]["p50_ms"] - row["direct"]["p50_ms"]
             results[concurrency] = row
-        _print(results)
-        if args.json:
-            print(json.dumps(results))
+        return results
     finally:
         for process in (proxy, stub):
             process.terminate()
             process.wait(10)
-    return 0
 
 
-def _wait_port(port: int) -> None:
+def _wait_port(port: int, context: ssl.SSLContext | None) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            asyncio.run(_probe(port))
+            asyncio.run(_probe(port, context))
             return
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"nothing listens on {port}")
 
 
-async def _probe(port: int) -> None:
-    _, writer = await _open(port)
+async def _probe(port: int, context: ssl.SSLContext | None) -> None:
+    _, writer = await _open(port, context)
     writer.close()
 
 
@@ -204,16 +236,18 @@ def _print(results: dict[int, dict[str, Any]]) -> None:
               f"{p['rps']:.0f} |")  # fmt: skip
 
 
-async def _serve_stub(port: int, parent: ParentWatch) -> None:
+async def _serve_stub(port: int, parent: ParentWatch, tls: TLSConfig) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(stub_app, host="127.0.0.1", port=port,
-                                           log_level="error"))  # fmt: skip
+                                           log_level="error", **tls.uvicorn_options()))  # fmt: skip
     stop = functools.partial(setattr, server, "should_exit", True)
     watcher = asyncio.create_task(parent.stop_when_gone(stop, "stub node"))
     await server.serve()
     watcher.cancel()
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["stub"]:  # stub PORT PARENT_PID
-    asyncio.run(_serve_stub(int(sys.argv[2]), ParentWatch(int(sys.argv[3]))))
+if __name__ == "__main__" and sys.argv[1:2] == ["stub"]:  # stub PORT PARENT_PID [TLS flags]
+    files = dict(zip(sys.argv[4::2], sys.argv[5::2], strict=True))
+    stub_tls = TLSConfig(files.get("--ssl-certfile"), files.get("--ssl-keyfile"))
+    asyncio.run(_serve_stub(int(sys.argv[2]), ParentWatch(int(sys.argv[3])), stub_tls))

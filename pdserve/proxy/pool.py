@@ -29,7 +29,7 @@ import enum
 import logging
 import ssl
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 DOWN_AFTER = 2
 UP_AFTER = 2
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
-NUM_RECENT_KEPT = 256
+NUM_RECENT_BLOCKS_KEPT = 65_536
+"""Block hashes of prompts sent lately, per node (about 3 MB): ~1,000 prompts of 64 blocks."""
 BREAK_AFTER = 5
 BREAK_S = 5.0
 
@@ -111,10 +112,9 @@ class Backend:
     cached: CachedPrefixes = EMPTY
     """The node's prefix cache, from its latest summary."""
     malformed_summaries: int = 0
-    _recent: deque[tuple[float, Sequence[int]]] = field(
-        default_factory=lambda: deque(maxlen=NUM_RECENT_KEPT)
-    )
-    """(when, token ids) of prompts sent: cached there soon, maybe not yet summarized."""
+    _recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    """Block-hash cut → when a prompt with that block was last sent, oldest first: cached
+    there soon, maybe not yet in a summary."""
 
     ssl_context: ssl.SSLContext | None = None
     """Verifies an https node's certificate (`pdserve/tls.py`)."""
@@ -158,14 +158,18 @@ class Backend:
         if self.breaker.record(ok):
             logger.warning("%s node %s: circuit open after failed legs", self.role, self.url)
 
-    def remember(self, token_ids: Sequence[int], now_s: float) -> None:
-        self._recent.append((now_s, token_ids))
+    def remember(self, chain: Sequence[bytes], now_s: float) -> None:
+        """A prompt with these block-hash cuts (`prompt_chain`) was sent to the node."""
+        for cut in chain:
+            self._recent[cut] = now_s
+            self._recent.move_to_end(cut)
+        while len(self._recent) > NUM_RECENT_BLOCKS_KEPT:
+            self._recent.popitem(last=False)
 
-    def recent_prompts(self, since_s: float) -> list[Sequence[int]]:
-        """Prompts sent to the node since `since_s` (older ones are forgotten)."""
-        while self._recent and self._recent[0][0] < since_s:
-            self._recent.popleft()
-        return [token_ids for _, token_ids in self._recent]
+    def sent_since(self, cut: bytes, since_s: float) -> bool:
+        """A prompt with this block went to the node at or after `since_s`."""
+        when = self._recent.get(cut)
+        return when is not None and when >= since_s
 
     def take_summary(self, data: object) -> None:
         """A `/admin/prefix_cache` body: a new summary, `unchanged`, or junk (ignored)."""

@@ -19,9 +19,10 @@ Policies (`--routing`, or per leg `--prefill-routing` / `--decode-routing`):
   this proxy sent it that have not produced their first token yet (`pending_tokens`),
   plus `DECODE_LOAD_TOKENS` per decode in flight on a decode node (each one slows every
   step of the batch). What a node caches is its own
-  summary (`kv_cache/prefix_summary.py`, polled with the health checks), plus the chains of
-  prompts this proxy sent it since (`Backend.recent`): a summary is up to one poll old,
-  and the next turn of a chat comes right after the last one.
+  summary (`kv_cache/prefix_summary.py`, polled with the health checks), plus the blocks
+  of prompts this proxy sent it lately (`Backend.remember`), hashed the same way: a
+  summary is up to one poll old, and the next turn of a chat comes right after the last.
+  Either way a decision costs a few hash lookups per prompt block per node.
 
 Nodes of either role are candidates only while up (`pool.py`: health hysteresis and the
 circuit breaker).
@@ -150,9 +151,10 @@ class Router:
         return uncached < self.disagg_min_tokens
 
     def sent(self, backend: Backend, prompt: Prompt | None) -> None:
-        """`backend` will cache `prompt`'s full blocks: count them until its summary does."""
-        if prompt is not None:
-            backend.remember(prompt.token_ids, time.monotonic())
+        """`backend` will cache `prompt`'s full blocks: count them until its summary does
+        (from its first summary on: before it, the node's block size is unknown)."""
+        if prompt is not None and backend.cached.version >= 0:
+            backend.remember(prompt.chain(backend.cached.block_size), time.monotonic())
 
 
 def make_router(config: ProxyConfig) -> Router:
@@ -229,25 +231,16 @@ def routing_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def num_cached_tokens(backend: Backend, prompt: Prompt) -> int:
-    """Leading prompt tokens `backend` holds: by its summary, or as the longest common
-    start with a prompt sent to it lately, in whole blocks (before the node's first
-    summary its block size is unknown: that start as it is)."""
-    block_size = backend.cached.block_size
+    """Leading prompt tokens `backend` holds, in whole blocks: each block in its summary or
+    sent to it in the last `RECENT_S`. O(the prompt's blocks): two set lookups a block.
+    None before the node's first summary (its block size is unknown)."""
+    cached = backend.cached
+    if cached.version < 0:
+        return 0
+    since = time.monotonic() - RECENT_S
     n = 0
-    for cut in prompt.chain(block_size) if backend.cached.version >= 0 else ():
-        if cut not in backend.cached.hashes:
+    for cut in prompt.chain(cached.block_size):
+        if cut not in cached.hashes and not backend.sent_since(cut, since):
             break
         n += 1
-    recent = backend.recent_prompts(time.monotonic() - RECENT_S)
-    usable = prompt.num_tokens - 1  # a node never reuses a prompt's last token
-    by_recent = max((_common_start(prompt.token_ids, sent, usable) for sent in recent), default=0)
-    return max(n * block_size, by_recent // block_size * block_size)
-
-
-def _common_start(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return n * cached.block_size
