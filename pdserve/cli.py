@@ -200,7 +200,7 @@ def _trace_service_name(args: argparse.Namespace) -> str:
     role = getattr(args, "role", None)
     if args.command == "serve":
         return "pdserve" if role in (None, Role.BOTH.value) else f"pdserve-{role}"
-    return f"pdserve-{args.command}" if args.command != "up" else "pdserve-proxy"
+    return "pdserve-proxy" if args.command in ("up", "ray") else f"pdserve-{args.command}"
 
 
 def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.proxy.up import add_parser as add_up_parser
 
     add_up_parser(sub)
+
+    from pdserve.cluster.ray_cli import add_parser as add_ray_parser
+
+    add_ray_parser(sub)
 
     from pdserve.bench.cli import add_bench_parser
 

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import uvicorn
@@ -127,10 +127,20 @@ class ProxyMetrics:
         )
 
 
+class Membership(Protocol):
+    """Where the proxy learns its nodes while serving (`pdserve/cluster/`); without one,
+    the fixed URLs of `ProxyConfig` are the nodes."""
+
+    async def members(self) -> dict[str, list[str]] | None:
+        """Node URLs by role (`prefill`, `decode`); None: unknown now, keep the last."""
+        ...
+
+
 @dataclass
 class ProxyState:
     config: ProxyConfig
     seams: Seams = NO_SEAMS
+    membership: Membership | None = None
     node_ssl: ssl.SSLContext = field(init=False)
     """Verifies https nodes (legs, health checks, releases)."""
     prefill: BackendPool = field(init=False)
@@ -262,16 +272,35 @@ async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
             pools, state.http, state.config.health_interval_s, state.node_headers, summaries
         )
     )
+    follower = None
+    if state.membership is not None:
+        follower = asyncio.create_task(_follow(state, state.membership))
     try:
         yield
     finally:
         checker.cancel()
+        if follower is not None:
+            follower.cancel()
         if state.background:  # each release gives up after 2 s
             await asyncio.wait(set(state.background), timeout=5.0)
         await state.http.aclose()
         for pool in pools:
             for backend in pool.backends:
                 backend.upstream.close()
+
+
+async def _follow(state: ProxyState, membership: Membership) -> None:
+    """Forever: the pools follow the discovery source, every health interval."""
+    while True:
+        try:
+            members = await membership.members()
+        except Exception as e:  # a source that fails keeps the last membership
+            logger.warning("node discovery failed: %s", e)
+            members = None
+        if members is not None:
+            state.prefill.set_members(members.get("prefill", []))
+            state.decode.set_members(members.get("decode", []))
+        await asyncio.sleep(state.config.health_interval_s)
 
 
 class BearerAuth:

@@ -204,7 +204,26 @@ class BackendPool:
         self, role: str, urls: Iterable[str], ssl_context: ssl.SSLContext | None = None
     ) -> None:
         self.role = role
+        self._ssl = ssl_context
         self.backends = [Backend(url.rstrip("/"), role, ssl_context=ssl_context) for url in urls]
+
+    def set_members(self, urls: Iterable[str]) -> None:
+        """The nodes, from a discovery source (`pdserve/cluster/`): a new URL joins (a node
+        Ray started or restarted on a new port), a missing one leaves (removed, or gone).
+        A leg in flight to a node that left keeps its `Backend` until it ends; the handoffs
+        of a node that is gone are covered by leases (S10/S11)."""
+        wanted = list(dict.fromkeys(url.rstrip("/") for url in urls))
+        current = {b.url: b for b in self.backends}
+        for url in wanted:
+            if url not in current:
+                logger.info("%s node %s joined", self.role, url)
+        for url, backend in current.items():
+            if url not in wanted:
+                logger.info("%s node %s left", self.role, url)
+                backend.upstream.close()
+        self.backends = [
+            current.get(url) or Backend(url, self.role, ssl_context=self._ssl) for url in wanted
+        ]
 
     def candidates(self, exclude: Collection[str] = frozenset()) -> list[Backend]:
         """The nodes a leg may go to now: up, breaker letting legs through, not excluded."""

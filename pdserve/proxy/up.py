@@ -24,7 +24,7 @@ import uvicorn
 
 from pdserve import logs, tracing
 from pdserve.config import ModelConfig, ProxyConfig
-from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
+from pdserve.proxy.app import Membership, ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.routing import add_routing_args, routing_options
 from pdserve.tls import TLSConfig, make_cluster_certs
@@ -38,6 +38,17 @@ verbs providers are installed without hardware). Explicit settings in the enviro
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local proxy + prefill + decode cluster")
+    add_cluster_args(up)
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="every hop over HTTPS, with a throwaway cluster CA (needs pdserve[tls])",
+    )
+    up.set_defaults(func=run)
+
+
+def add_cluster_args(up: argparse.ArgumentParser) -> None:
+    """The flags `pdserve up` and `pdserve ray up` share: the proxy's, the nodes', --ask."""
     up.add_argument("--host", default=ProxyConfig.host)
     up.add_argument("--port", type=int, default=ProxyConfig.port)
     up.add_argument("--num-prefill", type=int, default=1)
@@ -59,13 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="this process's and the nodes' (default: PDSERVE_LOG_LEVEL, else "
         "info); debug adds every HTTP client request",
     )
-    up.add_argument(
-        "--tls",
-        action="store_true",
-        help="every hop over HTTPS, with a throwaway cluster CA (needs pdserve[tls])",
-    )
     tracing.add_otlp_arg(up)
-    up.set_defaults(func=run)
 
 
 def node_args(args: argparse.Namespace, role: str) -> list[str]:
@@ -105,19 +110,27 @@ def run(args: argparse.Namespace) -> int:
                 wait_healthy(node)
             listing = ", ".join(f"{r} {n.url}" for r, n in zip(roles, nodes, strict=True))
             print(f"nodes: {listing}", flush=True)
-            return asyncio.run(_serve(args, nodes, roles, tls))
+            prefill = [n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"]
+            decode = [n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"]
+            return asyncio.run(serve_proxy(args, prefill, decode, tls))
         except KeyboardInterrupt:
             return 130
         finally:
             stop_all(nodes)
 
 
-async def _serve(
-    args: argparse.Namespace, nodes: list[Node], roles: list[str], tls: TLSConfig
+async def serve_proxy(
+    args: argparse.Namespace,
+    prefill: list[str],
+    decode: list[str],
+    tls: TLSConfig,
+    membership: Membership | None = None,
 ) -> int:
+    """The proxy in front of the nodes (and those `membership` later names), until
+    stopped, or for one `--ask`."""
     config = ProxyConfig(
-        prefill_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"),
-        decode_urls=tuple(n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"),
+        prefill_urls=tuple(prefill),
+        decode_urls=tuple(decode),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -126,7 +139,7 @@ async def _serve(
         tls=tls,
         **routing_options(args),
     )
-    server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
+    server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config, membership=membership)))
     serving = asyncio.create_task(server.serve())
     url = f"{tls.scheme}://{args.host}:{args.port}"
     while not server.started:

@@ -1,0 +1,204 @@
+"""The Ray actors of a pdserve cluster, and the proxy's view of them.
+
+    pdserve ray up (the driver: serves the proxy, like `pdserve up`)
+      └─ Controller  (named actor `controller`, namespace `pdserve`: `ray scale` and
+           │           `ray status` find it; it lives as long as the driver)
+           ├─ NodeActor(prefill) ─ runs `pdserve serve --role prefill` on its Ray node
+           └─ NodeActor(decode)  ─ …                                     (restarted by Ray)
+
+- A `NodeActor` starts one node process on its Ray node, bound to that node's IP (which
+  it advertises for KV over NIXL/UCX), and waits until it is healthy. The node watches the
+  actor's pid (`--parent-pid`): if the actor dies, the node drains and exits on its own.
+- Ray restarts a dead `NodeActor` (`max_restarts=-1`), on any node with the resources:
+  it starts a fresh node process on a new port, with a new epoch, so handoffs of the old
+  one are refused (S11) and freed by their leases (S10).
+- `Controller.members()` lists the nodes that answer now: the proxy's `RayMembership`
+  polls it every health interval and its pools follow (`BackendPool.set_members`). A
+  node that is gone or restarting leaves; once restarted it joins under its new URL.
+- `Controller.scale(role, n)` adds actors, or takes the newest out of `members()` first,
+  waits until the proxy has stopped sending it legs (two polls), then drains it (SIGTERM
+  semantics: in-flight requests finish, held handoffs are read or released) and kills it.
+- Placement: `SPREAD` across Ray nodes, each actor reserving its role's resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+CONTROLLER = "controller"
+LEAVE_WAIT_S = 2.5
+"""How long a node taken out of the membership keeps serving before its drain starts: two
+proxy polls at the default health interval (1 s) and some slack."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What each node of a role runs on: its `pdserve serve` flags (with `--role`) and Ray
+    resources."""
+
+    args: tuple[str, ...]
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class NodeActor:
+    """One pdserve node process on this actor's Ray node (module docstring)."""
+
+    def __init__(self, role: str, spec: RoleSpec) -> None:
+        self.role = role
+        self.ip = ray.util.get_node_ip_address()
+        self.ray_node = ray.get_runtime_context().get_node_id()
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        args = ["--advertise-host", self.ip, *spec.args]
+        env = {"UCX_MODULES": "^ib", **spec.env}
+        self.node: Node = launch(args, env, host=self.ip)
+        wait_healthy(self.node, timeout_s=600)
+        logger.info("%s node %s up on Ray node %s", role, self.node.url, self.ray_node)
+
+    def info(self) -> dict[str, Any]:
+        alive = self.node.process.poll() is None
+        return {
+            "role": self.role,
+            "url": self.node.url,
+            "ray_node": self.ray_node,
+            "pid": self.node.process.pid,
+            "actor_pid": os.getpid(),
+            "alive": alive,
+            "restarted": self.restarted,
+        }
+
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM the node (it refuses new work, finishes what it has) and wait."""
+        return stop(self.node, timeout_s)
+
+
+class Controller:
+    """Owns the node actors: their membership, scaling and status (module docstring)."""
+
+    def __init__(self, specs: dict[str, RoleSpec]) -> None:
+        self.specs = specs
+        self.actors: dict[str, list[Any]] = {role: [] for role in specs}
+        self.leaving: list[Any] = []
+
+    async def scale(self, role: str, count: int) -> dict[str, int]:
+        if role not in self.specs or count < 0 or (count < 1 and role in ("prefill", "decode")):
+            raise ValueError(f"{role} count must be >= 1, got {count}")
+        actors = self.actors[role]
+        while len(actors) < count:
+            actors.append(self._start(role))
+        leaving = []
+        while len(actors) > count:
+            leaving.append(actors.pop())  # newest first: out of members() from now on
+        if leaving:
+            await asyncio.sleep(LEAVE_WAIT_S)  # the proxy stops sending it legs
+            await asyncio.gather(*(self._remove(a) for a in leaving))
+        await self._ready(actors)
+        return {r: len(a) for r, a in self.actors.items()}
+
+    async def members(self) -> dict[str, list[str]]:
+        """The URLs of the nodes that answer now, by role."""
+        found: dict[str, list[str]] = {}
+        for role, actors in self.actors.items():
+            infos = await asyncio.gather(*(_info(a) for a in actors))
+            found[role] = [i["url"] for i in infos if i is not None and i["alive"]]
+        return found
+
+    async def status(self) -> list[dict[str, Any]]:
+        rows = []
+        for role, actors in self.actors.items():
+            for actor in actors:
+                info = await _info(actor)
+                rows.append(info or {"role": role, "url": None, "alive": False})
+        return rows
+
+    def _start(self, role: str) -> Any:
+        spec = self.specs[role]
+        return (
+            ray.remote(NodeActor)
+            .options(
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                max_restarts=-1,
+                scheduling_strategy="SPREAD",
+            )
+            .remote(role, spec)
+        )
+
+    async def _ready(self, actors: list[Any]) -> None:
+        await asyncio.gather(*(_info(a, timeout_s=600) for a in actors))
+
+    async def _remove(self, actor: Any) -> None:
+        try:
+            await asyncio.wait_for(actor.drain.remote(), 60)
+        except Exception as e:  # gone already, or stuck: killing it ends its node too
+            logger.warning("drain failed: %s", e)
+        ray.kill(actor, no_restart=True)
+
+
+async def _info(actor: Any, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The actor's node, or None while it is dead or restarting."""
+    try:
+        info: dict[str, Any] = await asyncio.wait_for(actor.info.remote(), timeout_s)
+        return info
+    except Exception:
+        return None
+
+
+class RayMembership:
+    """The proxy's discovery source (`proxy/app.py` `Membership`): the controller's list."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    async def members(self) -> dict[str, list[str]] | None:
+        try:
+            members: dict[str, list[str]] = await asyncio.wait_for(
+                self.controller.members.remote(), 5.0
+            )
+            return members
+        except Exception as e:
+            logger.warning("the cluster controller did not answer: %s", e)
+            return None
+
+
+def start_controller(specs: dict[str, RoleSpec]) -> Any:
+    """The named controller, owned by the calling driver (it dies with it)."""
+    return (
+        ray.remote(Controller)
+        .options(name=CONTROLLER, namespace=NAMESPACE, num_cpus=0, max_concurrency=64)
+        .remote(specs)
+    )
+
+
+def find_controller() -> Any:
+    return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at `address` (`auto`: the local one `ray start` made), or start
+    a local one (None)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+
+
+def wait_members(controller: Any, counts: dict[str, int], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        members = ray.get(controller.members.remote())
+        if all(len(members.get(r, [])) >= n for r, n in counts.items()):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the cluster did not reach {counts} nodes in {timeout_s:.0f} s")

@@ -1,0 +1,209 @@
+"""`pdserve ray up | scale | status` on a real local Ray cluster (`ray start --head`), tiny
+model: P/D greedy output equals a single node's, a killed node actor is restarted by Ray
+and rejoins while the survivors end idle, and scaling decode 1 → 2 → 1 under a steady
+request stream completes every request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.proxy.launch import free_port
+from tests.api.conftest import API_KEY
+from tests.disagg.conftest import (
+    Cluster,
+    cluster,  # noqa: F401  (the shared session fixture)
+    completion,
+    is_idle,
+    make_prompt,
+    token_ids,
+)
+
+pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.timeout(600)
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+LEASE_S = 2.0
+
+
+def _bin(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+@dataclass
+class RayCluster:
+    address: str
+    proxy_url: str
+    process: subprocess.Popen[bytes]
+
+    env: dict[str, str]
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "ray", *args, "--address", self.address],
+            capture_output=True, text=True, timeout=300, env=self.env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    def status(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = json.loads(
+            self.cli("status", "--json", "--api-key", API_KEY).strip().splitlines()[-1]
+        )
+        return rows
+
+    def ask(self, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{self.proxy_url}/v1/completions", json=body, headers=HEADERS,
+                          timeout=120)  # fmt: skip
+
+
+def wait_until(condition: Any, within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(
+    tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RayCluster]:
+    """A Ray head on this machine, and `pdserve ray up` on it (1 prefill, 1 decode)."""
+    import ray
+
+    port = free_port()
+    # One auth mode for the head and every process that joins it (Ray 2.60 may turn token
+    # auth on for `ray start`; a local test cluster needs none).
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING",
+           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+    temp = tmp_path_factory.mktemp("ray")
+    subprocess.run(
+        [_bin("ray"), "start", "--head", f"--port={port}", "--num-cpus=8", "--num-gpus=0",
+         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+        check=True, env=env, capture_output=True, timeout=120,
+    )  # fmt: skip
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    proxy_port = free_port()
+    model = tiny_model_dir("llama")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", address,
+         "--port", str(proxy_port), "--model", str(model), "--dtype", "float32",
+         "--num-kv-blocks", "96", "--max-model-len", "512", "--api-key", API_KEY,
+         "--routing", "least-loaded", "--prefill-cpus", "1", "--decode-cpus", "1"],
+        env=env,
+    )  # fmt: skip
+    ray_up = RayCluster(address, f"http://127.0.0.1:{proxy_port}", process, env)
+    try:
+        wait_until(
+            lambda: process.poll() is not None or _health(ray_up.proxy_url) == 200,
+            300,
+            "pdserve ray up",
+        )
+        assert process.poll() is None, f"pdserve ray up exited with {process.returncode}"
+        yield ray_up
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def node_idle(url: str) -> bool:
+    try:
+        state = httpx.get(f"{url}/admin/kv", headers=HEADERS, timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return is_idle(state)
+
+
+def test_pd_through_ray_up_equals_a_single_node(
+    ray_cluster: RayCluster,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    rows = ray_cluster.status()
+    assert sorted(r["role"] for r in rows) == ["decode", "prefill"]
+    assert all(r["alive"] and r["url"].startswith("http://") for r in rows)
+    for seed in range(3):
+        body = completion(make_prompt(40, seed=100 + seed), max_tokens=8)
+        expected = token_ids(
+            httpx.post(f"{cluster.single.url}/v1/completions", json=body, headers=HEADERS,
+                       timeout=60).json()
+        )  # fmt: skip
+        answer = ray_cluster.ask(body)
+        assert answer.status_code == 200, answer.text
+        assert token_ids(answer.json()) == expected
+
+
+def test_a_killed_node_actor_is_restarted_and_rejoins(ray_cluster: RayCluster) -> None:
+    rows = {r["role"]: r for r in ray_cluster.status()}
+    decode = rows["decode"]
+    os.kill(decode["actor_pid"], signal.SIGKILL)  # the actor process, as a crash would
+    # The survivor ends idle within the lease (nothing was in flight to strand anyway)...
+    wait_until(lambda: node_idle(rows["prefill"]["url"]), LEASE_S + 5, "the prefill node idle")
+    # ...Ray restarts the actor: a new node, on a new port, marked restarted.
+    wait_until(
+        lambda: any(r["role"] == "decode" and r["alive"] and r["url"] != decode["url"]
+                    for r in ray_cluster.status()),
+        180, "the decode node to be restarted",
+    )  # fmt: skip
+    [restarted] = [r for r in ray_cluster.status() if r["role"] == "decode"]
+    assert restarted["restarted"] is True
+    # The old node saw its actor gone and exited; the proxy serves through the new one.
+    wait_until(lambda: _health(decode["url"]) == 0, 30, "the old decode node to exit")
+    body = completion(make_prompt(30, seed=120), max_tokens=6)
+    wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the cluster to serve")
+
+
+def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
+    ray_cluster: RayCluster,
+) -> None:
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        i = 0
+        while not stop.is_set():
+            body = completion(make_prompt(24, seed=200 + i), max_tokens=12)
+            statuses.append(ray_cluster.ask(body).status_code)
+            i += 1
+
+    workers = [threading.Thread(target=stream) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        ray_cluster.cli("scale", "--decode", "2")
+        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "decode", "prefill"]
+        time.sleep(3)  # both decode nodes serve for a while
+        ray_cluster.cli("scale", "--decode", "1")
+        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "prefill"]
+        time.sleep(2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(120)
+    assert len(statuses) >= 6 and set(statuses) == {200}, statuses
+    for row in ray_cluster.status():
+        wait_until(lambda row=row: node_idle(row["url"]), LEASE_S + 5, "every node idle")
