@@ -126,3 +126,17 @@ def test_a_malformed_summary_is_ignored_and_counted_and_a_node_that_goes_down_fo
     for _ in range(DOWN_AFTER):
         node.record(False)
     assert not node.cached.hashes and node.cached.version < 0
+
+
+def test_members_join_and_leave_and_a_kept_node_keeps_its_state() -> None:
+    """A discovery source (Ray) names the nodes: new ones join up, missing ones leave, and
+    one still named keeps its counters (legs in flight, breaker, summary)."""
+    pool = BackendPool("decode", ["http://a:1", "http://b:2"])
+    kept = pool.backends[1]
+    kept.num_outstanding = 3
+    pool.set_members(["http://b:2/", "http://c:3", "http://c:3"])
+    assert [b.url for b in pool.backends] == ["http://b:2", "http://c:3"]
+    assert pool.backends[0] is kept and kept.num_outstanding == 3
+    assert pool.backends[1].up and pool.backends[1].role == "decode"
+    pool.set_members([])
+    assert pool.backends == [] and pool.choose() is None
