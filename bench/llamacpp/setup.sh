@@ -13,7 +13,10 @@ PYTHON=${PYTHON:-python3}
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=$root/bench/.venv-llamacpp
-stamp=$venv/.llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-installed
+# GGML_NATIVE builds for this CPU: a build from another CPU class (the checkout can move
+# between machines) is rebuilt, so the stamp names the CPU's flags.
+cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)
+stamp=$venv/.llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-$cpu-installed
 
 if [ -f "$stamp" ]; then
     echo "$venv: llama-cpp-python $LLAMA_CPP_PYTHON_VERSION already installed"
@@ -21,6 +24,7 @@ if [ -f "$stamp" ]; then
 fi
 test -x "$venv/bin/python" || "$PYTHON" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip uninstall -y -q llama-cpp-python 2>/dev/null || true  # another CPU's build
 CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "$venv/bin/python" -m pip install --no-cache-dir "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
 "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"

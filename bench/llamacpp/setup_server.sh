@@ -15,7 +15,10 @@ PYTHON=${PYTHON:-python3}
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dir=$root/bench/.llama-server
-stamp=$dir/.llama-server-$LLAMA_CPP_PYTHON_VERSION-built
+# GGML_NATIVE builds for this CPU: a build from another CPU class (the checkout can move
+# between machines) is rebuilt, so the stamp names the CPU's flags.
+cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)
+stamp=$dir/.llama-server-$LLAMA_CPP_PYTHON_VERSION-$cpu-built
 
 if [ -f "$stamp" ]; then
     echo "$dir/bin/llama-server: llama.cpp of llama-cpp-python $LLAMA_CPP_PYTHON_VERSION already built"
@@ -27,7 +30,7 @@ if [ ! -f "$sdist" ]; then
     "$PYTHON" -m pip download --no-deps --no-binary :all: \
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$dir/sdist"
 fi
-rm -rf "$dir/src"
+rm -rf "$dir/src" "$dir/build"  # never reuse objects compiled for another CPU
 mkdir -p "$dir/src"
 tar xzf "$sdist" -C "$dir/src" --strip-components=1
 cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \

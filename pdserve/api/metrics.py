@@ -66,6 +66,12 @@ class MetricsRecorder:
             labels,
             registry=r,
         )
+        self.prompt_tokens_pending = Gauge(
+            "pdserve_prompt_tokens_pending",
+            "Prompt tokens waiting or admitted, not computed yet (the prefill work owed)",
+            labels,
+            registry=r,
+        )
         self.handoffs = Gauge(
             "pdserve_handoffs", "Live handoffs on a prefill node by state", ["state"], registry=r
         )
@@ -148,6 +154,7 @@ class MetricsRecorder:
         self.kv_blocks_held.labels(m).set(stats.num_held_blocks)
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.prompt_tokens_computed.labels(m).set(stats.num_prompt_tokens_computed)
+        self.prompt_tokens_pending.labels(m).set(stats.num_prompt_tokens_pending)
         return generate_latest(self.registry)
 
     def request_failed(self, outcome: str) -> None:

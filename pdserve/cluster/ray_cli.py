@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.cluster.autoscale import AutoscaleConfig
 from pdserve.proxy.launch import sigterm_as_interrupt
 from pdserve.proxy.up import add_cluster_args, node_args, serve_proxy
 from pdserve.tls import TLSConfig
@@ -39,6 +40,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for role in ("prefill", "decode"):
         up.add_argument(f"--{role}-cpus", type=float, default=1.0, help="Ray CPUs per node")
         up.add_argument(f"--{role}-gpus", type=float, default=0.0, help="Ray GPUs per node")
+    scaling = up.add_argument_group("autoscaling (pdserve/cluster/autoscale.py)")
+    scaling.add_argument(
+        "--autoscale", action="store_true", help="each role's count follows its nodes' metrics"
+    )
+    defaults = AutoscaleConfig()
+    for role in ("prefill", "decode"):
+        for bound in ("min", "max"):
+            scaling.add_argument(
+                f"--{bound}-{role}", type=int, default=getattr(defaults, f"{bound}_{role}")
+            )
+    scaling.add_argument("--autoscale-interval-s", type=float, default=defaults.interval_s)
+    scaling.add_argument("--autoscale-cooldown-s", type=float, default=defaults.cooldown_s)
     up.set_defaults(func=run_up)
 
     scale = ray_sub.add_parser("scale", help="change a running cluster's node counts")
@@ -60,6 +73,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         print("pdserve ray up: --num-prefill and --num-decode must be >= 1", file=sys.stderr)
         return 2
+    autoscale = autoscale_options(args) if args.autoscale else None  # bad bounds: refused now
     with sigterm_as_interrupt():
         try:
             ray_nodes.connect(args.address)
@@ -77,6 +91,8 @@ def run_up(args: argparse.Namespace) -> int:
             for role, n in counts.items():
                 controller.scale.remote(role, n)
             ray_nodes.wait_members(controller, counts)
+            if autoscale is not None:
+                controller.start_autoscaling.remote(autoscale)
             import ray
 
             members = ray.get(controller.members.remote())
@@ -89,6 +105,17 @@ def run_up(args: argparse.Namespace) -> int:
             return 130
         finally:
             _shutdown()
+
+
+def autoscale_options(args: argparse.Namespace) -> AutoscaleConfig:
+    return AutoscaleConfig(
+        min_prefill=args.min_prefill,
+        max_prefill=args.max_prefill,
+        min_decode=args.min_decode,
+        max_decode=args.max_decode,
+        interval_s=args.autoscale_interval_s,
+        cooldown_s=args.autoscale_cooldown_s,
+    )
 
 
 def _shutdown() -> None:

@@ -19,6 +19,8 @@
   waits until the proxy has stopped sending it legs (two polls), then drains it (SIGTERM
   semantics: in-flight requests finish, held handoffs are read or released) and kills it.
 - Placement: `SPREAD` across Ray nodes, each actor reserving its role's resources.
+- `Controller.start_autoscaling` (`ray up --autoscale`): the counts follow the nodes' own
+  metrics within bounds and a cool-down (`autoscale.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import ray
 
+from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, NodeLoad, parse_load
 from pdserve.proxy.launch import Node, launch, stop, wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -91,7 +95,37 @@ class Controller:
     def __init__(self, specs: dict[str, RoleSpec]) -> None:
         self.specs = specs
         self.actors: dict[str, list[Any]] = {role: [] for role in specs}
-        self.leaving: list[Any] = []
+        self._autoscaling: asyncio.Task[None] | None = None
+
+    def start_autoscaling(self, config: AutoscaleConfig) -> None:
+        """From now on the counts follow the nodes' metrics (`autoscale.py`)."""
+        if self._autoscaling is None:
+            self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale(config))
+
+    async def _autoscale(self, config: AutoscaleConfig) -> None:
+        scaler = Autoscaler(config)
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                await asyncio.sleep(config.interval_s)
+                try:
+                    loads = await self._loads(http)
+                    counts = {role: len(actors) for role, actors in self.actors.items()}
+                    for role, n in scaler.decide(loads, counts).items():
+                        if n != counts[role]:
+                            logger.info("autoscaling %s: %d -> %d nodes", role, counts[role], n)
+                            await self.scale(role, n)
+                except Exception:  # keep scaling on the next round
+                    logger.exception("autoscaling round failed")
+
+    async def _loads(self, http: httpx.AsyncClient) -> list[NodeLoad]:
+        loads = []
+        for role, urls in (await self.members()).items():
+            for url in urls:
+                try:
+                    loads.append(parse_load(role, (await http.get(f"{url}/metrics")).text))
+                except httpx.HTTPError:
+                    continue  # gone or restarting: it leaves the members soon
+        return loads
 
     async def scale(self, role: str, count: int) -> dict[str, int]:
         if role not in self.specs or count < 0 or (count < 1 and role in ("prefill", "decode")):

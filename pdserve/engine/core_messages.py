@@ -59,6 +59,8 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     """Prompt tokens the model ran on since start: prefix-cache hits and tokens read from
     a prefill node are not computed (what cache-aware routing saves)."""
+    num_prompt_tokens_pending: int = 0
+    """Prompt tokens waiting or admitted, not computed yet (`Scheduler`)."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_preemptions=sched.num_preemptions,
         num_steps=engine.num_steps,
         num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
+        num_prompt_tokens_pending=sched.num_prompt_tokens_pending,
     )
 
 

@@ -188,6 +188,14 @@ class Scheduler:
             budget -= num_new
 
     @property
+    def num_prompt_tokens_pending(self) -> int:
+        """Prompt tokens waiting or admitted but not computed yet: the prefill work this
+        node owes (what `ray up --autoscale` sizes prefill nodes by)."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        running = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return waiting + running
+
+    @property
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.loading)
 

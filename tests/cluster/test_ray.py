@@ -207,3 +207,34 @@ def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
     assert len(statuses) >= 6 and set(statuses) == {200}, statuses
     for row in ray_cluster.status():
         wait_until(lambda row=row: node_idle(row["url"]), LEASE_S + 5, "every node idle")
+
+
+def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
+    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle nodes: decode grows to its minimum of 2 and stays (never below it), prefill
+    stays at 1 (idle, at its minimum). Last in the module: the autoscaler runs on."""
+    import ray
+
+    from pdserve.cluster.autoscale import AutoscaleConfig
+    from pdserve.cluster.ray_nodes import NAMESPACE, find_controller
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address=ray_cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        config = AutoscaleConfig(min_decode=2, max_decode=3, interval_s=0.5, cooldown_s=0)
+        ray.get(find_controller().start_autoscaling.remote(config))
+        wait_until(
+            lambda: (
+                sorted(r["role"] for r in ray_cluster.status() if r["alive"])
+                == ["decode", "decode", "prefill"]
+            ),
+            180,
+            "decode to reach its minimum of 2",
+        )
+        time.sleep(2)  # several rounds: idle, at the bounds, nothing changes
+        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "decode", "prefill"]
+        body = completion(make_prompt(20, seed=130), max_tokens=4)
+        assert ray_cluster.ask(body).status_code == 200
+    finally:
+        ray.shutdown()

@@ -496,6 +496,20 @@ def test_max_model_len_finishes_with_length() -> None:
     assert request.num_output_tokens == 4
 
 
+def test_pending_prompt_tokens_count_waiting_and_unfinished_prefills() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=4, max_num_seqs=1)
+    scheduler.add_request(make_request(10, request_id="a"))
+    scheduler.add_request(make_request(6, request_id="b", first_token_id=300))
+    assert scheduler.num_prompt_tokens_pending == 16
+    run_step(scheduler)  # 4 of a's 10
+    assert scheduler.num_prompt_tokens_pending == 6 + 6
+    run_step(scheduler)
+    run_step(scheduler)  # a's prefill is done and it decodes: only b is owed
+    assert scheduler.num_prompt_tokens_pending == 6
+    run_until_done(scheduler)
+    assert scheduler.num_prompt_tokens_pending == 0
+
+
 # -- phase times -----------------------------------------------------------------------------
 
 
