@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, NodeLoad, parse_load
 from pdserve.proxy.launch import Node, launch, stop, wait_healthy
@@ -209,10 +210,19 @@ class RayMembership:
 
 
 def start_controller(specs: dict[str, RoleSpec]) -> Any:
-    """The named controller, owned by the calling driver (it dies with it)."""
+    """The named controller, owned by the calling driver (it dies with it) and pinned to
+    the driver's Ray node: the node actors it owns die with it, so it must not sit on a
+    node that can die under a cluster that survives (found by the node-death test)."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return (
         ray.remote(Controller)
-        .options(name=CONTROLLER, namespace=NAMESPACE, num_cpus=0, max_concurrency=64)
+        .options(
+            name=CONTROLLER,
+            namespace=NAMESPACE,
+            num_cpus=0,
+            max_concurrency=64,
+            scheduling_strategy=here,
+        )
         .remote(specs)
     )
 

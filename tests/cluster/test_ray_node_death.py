@@ -1,0 +1,96 @@
+"""A whole Ray node dies under `pdserve ray up` (`ray.cluster_utils.Cluster`: raylets on
+this machine, tiny model): the decode node on it is gone, the prefill node ends idle
+within the lease, Ray restarts the decode actor on a node that has room, it rejoins the
+proxy's pools, and the cluster serves again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.proxy.launch import free_port
+from tests.api.conftest import API_KEY
+from tests.cluster.test_ray import HEADERS, LEASE_S, RayCluster, _health, node_idle, wait_until
+from tests.disagg.conftest import completion, make_prompt
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def three_raylets(
+    tiny_model_dir: Any,
+) -> Iterator[tuple[Any, RayCluster]]:
+    """A head without CPUs (the driver and its controller) and two workers of 1 CPU: the
+    prefill node on one, the decode node on the other."""
+    from ray.cluster_utils import Cluster
+
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the raylets
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING"}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, num_gpus=0)
+    cluster.wait_for_nodes()
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", cluster.address,
+         "--port", str(port), "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
+         "--num-kv-blocks", "96", "--max-model-len", "512", "--api-key", API_KEY,
+         "--routing", "least-loaded"],
+        env=env,
+    )  # fmt: skip
+    ray_up = RayCluster(cluster.address, f"http://127.0.0.1:{port}", process, env)
+    try:
+        wait_until(
+            lambda: process.poll() is not None or _health(ray_up.proxy_url) == 200,
+            300,
+            "pdserve ray up",
+        )
+        assert process.poll() is None, f"pdserve ray up exited with {process.returncode}"
+        yield cluster, ray_up
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        cluster.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous
+
+
+def test_a_dead_ray_node_s_decode_node_is_restarted_elsewhere_and_rejoins(
+    three_raylets: tuple[Any, RayCluster],
+) -> None:
+    cluster, ray_up = three_raylets
+    rows = {r["role"]: r for r in ray_up.status()}
+    assert rows["decode"]["ray_node"] != rows["prefill"]["ray_node"]  # 1 CPU each
+    [worker] = [n for n in cluster.worker_nodes if n.node_id == rows["decode"]["ray_node"]]
+    body = completion(make_prompt(30, seed=140), max_tokens=6)
+    assert ray_up.ask(body).status_code == 200
+
+    cluster.remove_node(worker, allow_graceful=False)  # the machine is gone
+    wait_until(lambda: _health(rows["decode"]["url"]) == 0, 60, "the decode node to end")
+    wait_until(lambda: node_idle(rows["prefill"]["url"]), LEASE_S + 5, "the prefill node idle")
+    cluster.add_node(num_cpus=1, num_gpus=0)  # room for the restarted actor
+    wait_until(
+        lambda: any(r["role"] == "decode" and r["alive"] for r in ray_up.status()),
+        240,
+        "the decode actor to be restarted on the new Ray node",
+    )
+    [decode] = [r for r in ray_up.status() if r["role"] == "decode"]
+    assert decode["ray_node"] != worker.node_id and decode["restarted"] is True
+    wait_until(lambda: ray_up.ask(body).status_code == 200, 60, "the cluster to serve again")
+    answer = httpx.post(f"{ray_up.proxy_url}/v1/completions", json=body, headers=HEADERS,
+                        timeout=60)  # fmt: skip
+    assert answer.json()["usage"]["completion_tokens"] == 6
