@@ -5,6 +5,7 @@ request stream completes every request."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -97,16 +98,27 @@ def ray_cluster(
         check=True, env=env, capture_output=True, timeout=120,
     )  # fmt: skip
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    proxy_port = free_port()
-    model = tiny_model_dir("llama")
+    with ray_up_running(address, tiny_model_dir("llama"), env) as ray_up:
+        try:
+            yield ray_up
+        finally:
+            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=120,
+                           env=env)  # fmt: skip
+
+
+@contextlib.contextmanager
+def ray_up_running(address: str, model: Path, env: dict[str, str]) -> Iterator[RayCluster]:
+    """`pdserve ray up` on the Ray cluster at `address` (1 prefill, 1 decode node of the
+    tiny model, 1 CPU each), serving; stopped with Ctrl-C afterwards."""
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", address,
-         "--port", str(proxy_port), "--model", str(model), "--dtype", "float32",
+         "--port", str(port), "--model", str(model), "--dtype", "float32",
          "--num-kv-blocks", "96", "--max-model-len", "512", "--api-key", API_KEY,
          "--routing", "least-loaded", "--prefill-cpus", "1", "--decode-cpus", "1"],
         env=env,
     )  # fmt: skip
-    ray_up = RayCluster(address, f"http://127.0.0.1:{proxy_port}", process, env)
+    ray_up = RayCluster(address, f"http://127.0.0.1:{port}", process, env)
     try:
         wait_until(
             lambda: process.poll() is not None or _health(ray_up.proxy_url) == 200,
@@ -121,7 +133,6 @@ def ray_cluster(
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
-        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)
 
 
 def _health(url: str) -> int:

@@ -6,18 +6,21 @@ proxy's pools, and the cluster serves again."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from pdserve.proxy.launch import free_port
-from tests.api.conftest import API_KEY
-from tests.cluster.test_ray import HEADERS, LEASE_S, RayCluster, _health, node_idle, wait_until
+from tests.cluster.test_ray import (
+    HEADERS,
+    LEASE_S,
+    RayCluster,
+    _health,
+    node_idle,
+    ray_up_running,
+    wait_until,
+)
 from tests.disagg.conftest import completion, make_prompt
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -39,29 +42,10 @@ def three_raylets(
     for _ in range(2):
         cluster.add_node(num_cpus=1, num_gpus=0)
     cluster.wait_for_nodes()
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", cluster.address,
-         "--port", str(port), "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
-         "--num-kv-blocks", "96", "--max-model-len", "512", "--api-key", API_KEY,
-         "--routing", "least-loaded"],
-        env=env,
-    )  # fmt: skip
-    ray_up = RayCluster(cluster.address, f"http://127.0.0.1:{port}", process, env)
     try:
-        wait_until(
-            lambda: process.poll() is not None or _health(ray_up.proxy_url) == 200,
-            300,
-            "pdserve ray up",
-        )
-        assert process.poll() is None, f"pdserve ray up exited with {process.returncode}"
-        yield cluster, ray_up
+        with ray_up_running(cluster.address, tiny_model_dir("llama"), env) as ray_up:
+            yield cluster, ray_up
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
         cluster.shutdown()
         if previous is None:
             os.environ.pop("RAY_AUTH_MODE", None)
