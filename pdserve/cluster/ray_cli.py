@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 import httpx
 
 from pdserve.cluster.autoscale import AutoscaleConfig
 from pdserve.proxy.launch import sigterm_as_interrupt
-from pdserve.proxy.up import add_cluster_args, node_args, serve_proxy
+from pdserve.proxy.up import add_cluster_args, ask, node_args, print_banner, proxy_config
 from pdserve.tls import TLSConfig
 
 
@@ -97,10 +98,16 @@ def run_up(args: argparse.Namespace) -> int:
 
             members = ray.get(controller.members.remote())
             print(f"nodes: prefill {members['prefill']}, decode {members['decode']}", flush=True)
-            membership = ray_nodes.RayMembership(controller)
-            return asyncio.run(
-                serve_proxy(args, members["prefill"], members["decode"], TLSConfig(), membership)
-            )
+            config = proxy_config(args, members["prefill"], members["decode"], TLSConfig())
+            proxy = ray_nodes.start_proxy(config, controller)
+            ray.get(proxy.info.remote())  # serving
+            url = f"http://{args.host}:{args.port}"
+            if args.ask is not None:
+                print(asyncio.run(ask(url, args.api_key, args.ask, args.max_tokens, TLSConfig())))
+                return 0
+            print_banner(url, args.api_key, None)
+            while True:  # the actors serve; Ctrl-C / SIGTERM ends them with this driver
+                time.sleep(3600)
         except KeyboardInterrupt:
             return 130
         finally:
@@ -144,14 +151,14 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    import ray
 
     from pdserve.cluster import ray_nodes
 
     ray_nodes.connect(args.address)
-    rows = ray.get(ray_nodes.find_controller().status.remote())
+    rows = ray_nodes.status_rows()
     for row in rows:
-        row.update(_kv(row.get("url"), args.api_key) if row.get("alive") else {})
+        if row.get("alive") and row["role"] != "proxy":
+            row.update(_kv(row.get("url"), args.api_key))
     if args.json:
         print(json.dumps(rows))
         return 0

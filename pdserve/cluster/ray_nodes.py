@@ -1,8 +1,9 @@
 """The Ray actors of a pdserve cluster, and the proxy's view of them.
 
-    pdserve ray up (the driver: serves the proxy, like `pdserve up`)
+    pdserve ray up (the driver: waits, or sends one --ask)
+      ├─ ProxyActor  (the proxy, on the driver's Ray node; restarted by Ray)
       └─ Controller  (named actor `controller`, namespace `pdserve`: `ray scale` and
-           │           `ray status` find it; it lives as long as the driver)
+           │           `ray status` find it; on the driver's Ray node, lives as long as it)
            ├─ NodeActor(prefill) ─ runs `pdserve serve --role prefill` on its Ray node
            └─ NodeActor(decode)  ─ …                                     (restarted by Ray)
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,12 +39,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, NodeLoad, parse_load
+from pdserve.config import ProxyConfig
+from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, stop, wait_healthy
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
 CONTROLLER = "controller"
+PROXY = "proxy"
 LEAVE_WAIT_S = 2.5
 """How long a node taken out of the membership keeps serving before its drain starts: two
 proxy polls at the default health interval (1 s) and some slack."""
@@ -192,6 +197,38 @@ async def _info(actor: Any, timeout_s: float = 2.0) -> dict[str, Any] | None:
         return None
 
 
+class ProxyActor:
+    """The proxy, restarted by Ray like the nodes: it serves in a thread of this actor,
+    pinned to the `ray up` driver's Ray node so that a restart binds the same address, and
+    its pools follow the controller (`RayMembership`)."""
+
+    def __init__(self, config: ProxyConfig, controller: Any) -> None:
+        import uvicorn
+
+        state = ProxyState(config, membership=RayMembership(controller))
+        self.server = uvicorn.Server(proxy_uvicorn_config(state))
+        self.thread = threading.Thread(target=self.server.run, name="proxy", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:  # a port that cannot be bound ends the thread
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy could not serve on {config.host}:{config.port}")
+            time.sleep(0.05)
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+
+    def info(self) -> dict[str, Any]:
+        """A `ray status` row."""
+        config = self.server.config
+        return {
+            "role": "proxy",
+            "url": f"http://{config.host}:{config.port}",
+            "ray_node": ray.get_runtime_context().get_node_id(),
+            "actor_pid": os.getpid(),
+            "alive": self.thread.is_alive(),
+            "restarted": self.restarted,
+        }
+
+
 class RayMembership:
     """The proxy's discovery source (`proxy/app.py` `Membership`): the controller's list."""
 
@@ -227,8 +264,36 @@ def start_controller(specs: dict[str, RoleSpec]) -> Any:
     )
 
 
+def start_proxy(config: ProxyConfig, controller: Any) -> Any:
+    """The proxy actor on the driver's Ray node, restarted when it dies."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return (
+        ray.remote(ProxyActor)
+        .options(
+            name=PROXY,
+            namespace=NAMESPACE,
+            num_cpus=0,
+            max_restarts=-1,
+            scheduling_strategy=here,
+        )
+        .remote(config, controller)
+    )
+
+
 def find_controller() -> Any:
     return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+
+
+def status_rows() -> list[dict[str, Any]]:
+    """The proxy's row (when it answers), then each node's."""
+    rows: list[dict[str, Any]] = []
+    try:
+        proxy: Any = ray.get(ray.get_actor(PROXY, namespace=NAMESPACE).info.remote(), timeout=5)
+        rows.append(proxy)
+    except Exception:  # restarting, or not started yet
+        rows.append({"role": "proxy", "url": None, "alive": False})
+    rows += ray.get(find_controller().status.remote())
+    return rows
 
 
 def connect(address: str | None) -> None:

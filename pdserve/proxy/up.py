@@ -24,7 +24,7 @@ import uvicorn
 
 from pdserve import logs, tracing
 from pdserve.config import ModelConfig, ProxyConfig
-from pdserve.proxy.app import Membership, ProxyState, proxy_uvicorn_config
+from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.routing import add_routing_args, routing_options
 from pdserve.tls import TLSConfig, make_cluster_certs
@@ -119,16 +119,11 @@ def run(args: argparse.Namespace) -> int:
             stop_all(nodes)
 
 
-async def serve_proxy(
-    args: argparse.Namespace,
-    prefill: list[str],
-    decode: list[str],
-    tls: TLSConfig,
-    membership: Membership | None = None,
-) -> int:
-    """The proxy in front of the nodes (and those `membership` later names), until
-    stopped, or for one `--ask`."""
-    config = ProxyConfig(
+def proxy_config(
+    args: argparse.Namespace, prefill: list[str], decode: list[str], tls: TLSConfig
+) -> ProxyConfig:
+    """The proxy of a cluster `add_cluster_args` describes, in front of these nodes."""
+    return ProxyConfig(
         prefill_urls=tuple(prefill),
         decode_urls=tuple(decode),
         host=args.host,
@@ -139,7 +134,14 @@ async def serve_proxy(
         tls=tls,
         **routing_options(args),
     )
-    server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config, membership=membership)))
+
+
+async def serve_proxy(
+    args: argparse.Namespace, prefill: list[str], decode: list[str], tls: TLSConfig
+) -> int:
+    """The proxy in front of the nodes, until stopped, or for one `--ask`."""
+    config = proxy_config(args, prefill, decode, tls)
+    server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
     serving = asyncio.create_task(server.serve())
     url = f"{tls.scheme}://{args.host}:{args.port}"
     while not server.started:
@@ -147,21 +149,21 @@ async def serve_proxy(
             return 1  # could not bind the port: uvicorn said why
         await asyncio.sleep(0.05)
     if args.ask is None:
-        _print_banner(url, args.api_key, tls.ca_certs)
+        print_banner(url, args.api_key, tls.ca_certs)
         await serving
         # Only SIGINT/SIGTERM stop it. uvicorn re-raises the signal once it has stopped,
         # but asyncio.run turns that into KeyboardInterrupt only if this task is still
         # running when the signal lands: say 130 here, whichever comes first.
         return 130 if server.should_exit else 0
     try:
-        print(await _ask(url, args.api_key, args.ask, args.max_tokens, tls))
+        print(await ask(url, args.api_key, args.ask, args.max_tokens, tls))
         return 0
     finally:
         server.should_exit = True
         await serving
 
 
-async def _ask(url: str, api_key: str | None, message: str, max_tokens: int, tls: TLSConfig) -> str:
+async def ask(url: str, api_key: str | None, message: str, max_tokens: int, tls: TLSConfig) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {
         "messages": [{"role": "user", "content": message}],
@@ -174,7 +176,7 @@ async def _ask(url: str, api_key: str | None, message: str, max_tokens: int, tls
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def _print_banner(url: str, api_key: str | None, ca_certs: str | None) -> None:
+def print_banner(url: str, api_key: str | None, ca_certs: str | None) -> None:
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     auth += f" --cacert {ca_certs}" if ca_certs else ""
     question = '{"role": "user", "content": "What is the capital of France?"}'

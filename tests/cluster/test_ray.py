@@ -62,10 +62,14 @@ class RayCluster:
         return done.stdout
 
     def status(self) -> list[dict[str, Any]]:
+        """`pdserve ray status --json`: the proxy's row, then the nodes'."""
         rows: list[dict[str, Any]] = json.loads(
             self.cli("status", "--json", "--api-key", API_KEY).strip().splitlines()[-1]
         )
         return rows
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [r for r in self.status() if r["role"] != "proxy"]
 
     def ask(self, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{self.proxy_url}/v1/completions", json=body, headers=HEADERS,
@@ -154,7 +158,7 @@ def test_pd_through_ray_up_equals_a_single_node(
     ray_cluster: RayCluster,
     cluster: Cluster,  # noqa: F811
 ) -> None:
-    rows = ray_cluster.status()
+    rows = ray_cluster.nodes()
     assert sorted(r["role"] for r in rows) == ["decode", "prefill"]
     assert all(r["alive"] and r["url"].startswith("http://") for r in rows)
     for seed in range(3):
@@ -169,7 +173,7 @@ def test_pd_through_ray_up_equals_a_single_node(
 
 
 def test_a_killed_node_actor_is_restarted_and_rejoins(ray_cluster: RayCluster) -> None:
-    rows = {r["role"]: r for r in ray_cluster.status()}
+    rows = {r["role"]: r for r in ray_cluster.nodes()}
     decode = rows["decode"]
     os.kill(decode["actor_pid"], signal.SIGKILL)  # the actor process, as a crash would
     # The survivor ends idle within the lease (nothing was in flight to strand anyway)...
@@ -177,15 +181,27 @@ def test_a_killed_node_actor_is_restarted_and_rejoins(ray_cluster: RayCluster) -
     # ...Ray restarts the actor: a new node, on a new port, marked restarted.
     wait_until(
         lambda: any(r["role"] == "decode" and r["alive"] and r["url"] != decode["url"]
-                    for r in ray_cluster.status()),
+                    for r in ray_cluster.nodes()),
         180, "the decode node to be restarted",
     )  # fmt: skip
-    [restarted] = [r for r in ray_cluster.status() if r["role"] == "decode"]
+    [restarted] = [r for r in ray_cluster.nodes() if r["role"] == "decode"]
     assert restarted["restarted"] is True
     # The old node saw its actor gone and exited; the proxy serves through the new one.
     wait_until(lambda: _health(decode["url"]) == 0, 30, "the old decode node to exit")
     body = completion(make_prompt(30, seed=120), max_tokens=6)
     wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the cluster to serve")
+
+
+def test_a_killed_proxy_actor_is_restarted_and_serves_again(ray_cluster: RayCluster) -> None:
+    [proxy] = [r for r in ray_cluster.status() if r["role"] == "proxy"]
+    assert proxy["alive"] and proxy["restarted"] is False
+    os.kill(proxy["actor_pid"], signal.SIGKILL)
+    wait_until(lambda: _health(ray_cluster.proxy_url) == 0, 30, "the proxy to be gone")
+    wait_until(lambda: _health(ray_cluster.proxy_url) == 200, 180, "the proxy to be back")
+    [back] = [r for r in ray_cluster.status() if r["role"] == "proxy"]
+    assert back["restarted"] is True and back["actor_pid"] != proxy["actor_pid"]
+    body = completion(make_prompt(30, seed=125), max_tokens=6)
+    wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the proxy to serve")
 
 
 def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
@@ -206,17 +222,17 @@ def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
         w.start()
     try:
         ray_cluster.cli("scale", "--decode", "2")
-        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "decode", "prefill"]
+        assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "decode", "prefill"]
         time.sleep(3)  # both decode nodes serve for a while
         ray_cluster.cli("scale", "--decode", "1")
-        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "prefill"]
+        assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "prefill"]
         time.sleep(2)
     finally:
         stop.set()
         for w in workers:
             w.join(120)
     assert len(statuses) >= 6 and set(statuses) == {200}, statuses
-    for row in ray_cluster.status():
+    for row in ray_cluster.nodes():
         wait_until(lambda row=row: node_idle(row["url"]), LEASE_S + 5, "every node idle")
 
 
@@ -237,14 +253,14 @@ def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
         ray.get(find_controller().start_autoscaling.remote(config))
         wait_until(
             lambda: (
-                sorted(r["role"] for r in ray_cluster.status() if r["alive"])
+                sorted(r["role"] for r in ray_cluster.nodes() if r["alive"])
                 == ["decode", "decode", "prefill"]
             ),
             180,
             "decode to reach its minimum of 2",
         )
         time.sleep(2)  # several rounds: idle, at the bounds, nothing changes
-        assert sorted(r["role"] for r in ray_cluster.status()) == ["decode", "decode", "prefill"]
+        assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "decode", "prefill"]
         body = completion(make_prompt(20, seed=130), max_tokens=4)
         assert ray_cluster.ask(body).status_code == 200
     finally:

@@ -57,7 +57,7 @@ def test_a_dead_ray_node_s_decode_node_is_restarted_elsewhere_and_rejoins(
     three_raylets: tuple[Any, RayCluster],
 ) -> None:
     cluster, ray_up = three_raylets
-    rows = {r["role"]: r for r in ray_up.status()}
+    rows = {r["role"]: r for r in ray_up.nodes()}
     assert rows["decode"]["ray_node"] != rows["prefill"]["ray_node"]  # 1 CPU each
     [worker] = [n for n in cluster.worker_nodes if n.node_id == rows["decode"]["ray_node"]]
     body = completion(make_prompt(30, seed=140), max_tokens=6)
@@ -68,11 +68,11 @@ def test_a_dead_ray_node_s_decode_node_is_restarted_elsewhere_and_rejoins(
     wait_until(lambda: node_idle(rows["prefill"]["url"]), LEASE_S + 5, "the prefill node idle")
     cluster.add_node(num_cpus=1, num_gpus=0)  # room for the restarted actor
     wait_until(
-        lambda: any(r["role"] == "decode" and r["alive"] for r in ray_up.status()),
+        lambda: any(r["role"] == "decode" and r["alive"] for r in ray_up.nodes()),
         240,
         "the decode actor to be restarted on the new Ray node",
     )
-    [decode] = [r for r in ray_up.status() if r["role"] == "decode"]
+    [decode] = [r for r in ray_up.nodes() if r["role"] == "decode"]
     assert decode["ray_node"] != worker.node_id and decode["restarted"] is True
     wait_until(lambda: ray_up.ask(body).status_code == 200, 60, "the cluster to serve again")
     answer = httpx.post(f"{ray_up.proxy_url}/v1/completions", json=body, headers=HEADERS,
