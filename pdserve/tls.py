@@ -145,70 +145,96 @@ class ClusterCerts:
         return TLSConfig(self.certfile, self.keyfile, self.ca_certs)
 
 
-def make_cluster_certs(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> ClusterCerts:
-    """A new CA and one server certificate it signs, valid for `hosts` and localhost, for a
-    quick start (`pdserve up --tls`) and tests; 30 days. Keys are written 0600."""
-    try:
+class ClusterCA:
+    """A throwaway CA that signs server certificates for given hosts (`pdserve up --tls`,
+    `pdserve ray up --tls`: the controller issues each node a certificate for its own
+    IP), valid 30 days. Needs the cryptography package (`pip install pdserve[tls]`)."""
+
+    def __init__(self) -> None:
+        try:
+            from cryptography import x509
+            from cryptography.hazmat.primitives import hashes
+            from cryptography.hazmat.primitives.asymmetric import ec
+        except ImportError as e:
+            raise ConfigError(
+                f"--tls needs the cryptography package ({e}): pip install pdserve[tls]"
+            ) from e
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._cert = (
+            _builder("pdserve cluster CA", "pdserve cluster CA", self._key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+                critical=True,
+            )
+            .sign(self._key, hashes.SHA256())
+        )
+
+    def ca_pem(self) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        return self._cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, hosts: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """A server certificate for `hosts` (IP addresses or names) and localhost, and its
+        private key, both PEM."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError as e:
-        raise ConfigError(
-            f"--tls needs the cryptography package ({e}): pip install pdserve[tls]"
-        ) from e
-    now = datetime.datetime.now(datetime.timezone.utc)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30))
+        from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    def name(common_name: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("pdserve cluster CA"))
-        .issuer_name(name("pdserve cluster CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
-            critical=True,
+        key = ec.generate_private_key(ec.SECP256R1())
+        names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        cert = (
+            _builder("pdserve node", "pdserve cluster CA", key.public_key())
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(self._key, hashes.SHA256())
         )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
-    cert = (
+        pem = serialization.Encoding.PEM
+        key_pem = key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cert.public_bytes(pem), key_pem
+
+
+def _builder(subject: str, issuer: str, public_key: Any) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
         x509.CertificateBuilder()
-        .subject_name(name("pdserve node"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
     )
+
+
+def write_certs(directory: Path, ca_pem: bytes, cert_pem: bytes, key_pem: bytes) -> ClusterCerts:
+    """The three PEM files in `directory` (the key 0600)."""
     directory.mkdir(parents=True, exist_ok=True)
-    pem = serialization.Encoding.PEM
     paths = ClusterCerts(
         str(directory / "ca.pem"), str(directory / "node.pem"), str(directory / "node.key")
     )
-    Path(paths.ca_certs).write_bytes(ca.public_bytes(pem))
-    Path(paths.certfile).write_bytes(cert.public_bytes(pem))
-    key_bytes = key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    Path(paths.ca_certs).write_bytes(ca_pem)
+    Path(paths.certfile).write_bytes(cert_pem)
     fd = os.open(paths.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(key_bytes)
+        f.write(key_pem)
     return paths
+
+
+def make_cluster_certs(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> ClusterCerts:
+    """A new CA and one server certificate it signs, valid for `hosts` and localhost, in
+    `directory`: a quick start (`pdserve up --tls`) and tests."""
+    ca = ClusterCA()
+    return write_certs(directory, ca.ca_pem(), *ca.issue(hosts))

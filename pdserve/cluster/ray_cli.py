@@ -19,8 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,10 +40,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     up = ray_sub.add_parser("up", help="start the cluster on Ray and serve its proxy here")
     up.add_argument("--address", default=None, help="a Ray cluster (default: start one)")
+    add_name_arg(up)
     add_cluster_args(up)
     for role in ("prefill", "decode"):
         up.add_argument(f"--{role}-cpus", type=float, default=1.0, help="Ray CPUs per node")
         up.add_argument(f"--{role}-gpus", type=float, default=0.0, help="Ray GPUs per node")
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="every HTTP hop over TLS: the controller keeps a cluster CA and issues each node "
+        "a certificate for its Ray node's IP (needs pdserve[tls])",
+    )
     scaling = up.add_argument_group("autoscaling (pdserve/cluster/autoscale.py)")
     scaling.add_argument(
         "--autoscale", action="store_true", help="each role's count follows its nodes' metrics"
@@ -57,15 +67,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     scale = ray_sub.add_parser("scale", help="change a running cluster's node counts")
     scale.add_argument("--address", default="auto")
+    add_name_arg(scale)
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
     scale.set_defaults(func=run_scale)
 
     status = ray_sub.add_parser("status", help="the nodes of a running cluster")
     status.add_argument("--address", default="auto")
+    add_name_arg(status)
     status.add_argument("--api-key", default=None, help="the nodes' key, for KV use")
     status.add_argument("--json", action="store_true", help="one JSON list instead of a table")
     status.set_defaults(func=run_status)
+
+
+def add_name_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cluster-name",
+        default="pdserve",
+        help="which pdserve cluster on the Ray cluster (its Ray namespace)",
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -77,16 +97,17 @@ def run_up(args: argparse.Namespace) -> int:
     autoscale = autoscale_options(args) if args.autoscale else None  # bad bounds: refused now
     with sigterm_as_interrupt():
         try:
-            ray_nodes.connect(args.address)
+            ray_nodes.connect(args.address, args.cluster_name)
             specs = {
                 role: ray_nodes.RoleSpec(
                     tuple(node_args(args, role)),
                     num_cpus=getattr(args, f"{role}_cpus"),
                     num_gpus=getattr(args, f"{role}_gpus"),
+                    tls=args.tls,
                 )
                 for role in ("prefill", "decode")
             }
-            controller = ray_nodes.start_controller(specs)
+            controller = ray_nodes.start_controller(specs, args.tls)
             counts = {"prefill": args.num_prefill, "decode": args.num_decode}
             print(f"starting {counts} node(s) on Ray with model {args.model} ...", flush=True)
             for role, n in counts.items():
@@ -99,19 +120,28 @@ def run_up(args: argparse.Namespace) -> int:
             members = ray.get(controller.members.remote())
             print(f"nodes: prefill {members['prefill']}, decode {members['decode']}", flush=True)
             config = proxy_config(args, members["prefill"], members["decode"], TLSConfig())
-            proxy = ray_nodes.start_proxy(config, controller)
-            ray.get(proxy.info.remote())  # serving
-            url = f"http://{args.host}:{args.port}"
+            proxy = ray_nodes.start_proxy(config, controller, args.tls)
+            url = ray.get(proxy.info.remote())["url"]  # serving
+            client = _client_tls(controller) if args.tls else TLSConfig()
             if args.ask is not None:
-                print(asyncio.run(ask(url, args.api_key, args.ask, args.max_tokens, TLSConfig())))
+                print(asyncio.run(ask(url, args.api_key, args.ask, args.max_tokens, client)))
                 return 0
-            print_banner(url, args.api_key, None)
+            print_banner(url, args.api_key, client.ca_certs)
             while True:  # the actors serve; Ctrl-C / SIGTERM ends them with this driver
                 time.sleep(3600)
         except KeyboardInterrupt:
             return 130
         finally:
             _shutdown()
+
+
+def _client_tls(controller: Any) -> TLSConfig:
+    """A client's side of `ray up --tls`: the cluster CA's certificate, in a file."""
+    import ray
+
+    path = Path(tempfile.mkdtemp(prefix="pdserve-ca-")) / "ca.pem"
+    path.write_bytes(ray.get(controller.ca_pem.remote()))
+    return TLSConfig(ca_certs=str(path))
 
 
 def autoscale_options(args: argparse.Namespace) -> AutoscaleConfig:
@@ -139,7 +169,7 @@ def run_scale(args: argparse.Namespace) -> int:
 
     from pdserve.cluster import ray_nodes
 
-    ray_nodes.connect(args.address)
+    ray_nodes.connect(args.address, args.cluster_name)
     controller = ray_nodes.find_controller()
     counts: dict[str, int] = {}
     for role in ("prefill", "decode"):
@@ -154,11 +184,13 @@ def run_status(args: argparse.Namespace) -> int:
 
     from pdserve.cluster import ray_nodes
 
-    ray_nodes.connect(args.address)
+    ray_nodes.connect(args.address, args.cluster_name)
     rows = ray_nodes.status_rows()
+    tls = any(str(row.get("url")).startswith("https") for row in rows)
+    verify = _client_tls(ray_nodes.find_controller()).client_context() if tls else True
     for row in rows:
         if row.get("alive") and row["role"] != "proxy":
-            row.update(_kv(row.get("url"), args.api_key))
+            row.update(_kv(row.get("url"), args.api_key, verify))
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -171,13 +203,13 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv(url: str | None, api_key: str | None) -> dict[str, Any]:
+def _kv(url: str | None, api_key: str | None, verify: ssl.SSLContext | bool) -> dict[str, Any]:
     """A node's KV use and held blocks (`/admin/kv`), or {} when it does not answer."""
     if url is None:
         return {}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        data = httpx.get(f"{url}/admin/kv", headers=headers, timeout=2).json()
+        data = httpx.get(f"{url}/admin/kv", headers=headers, timeout=2, verify=verify).json()
         used = 1 - data["num_free_blocks"] / max(data["num_blocks"], 1)
         return {"kv_use": f"{used:.0%}", "num_held_blocks": data["num_held_blocks"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -2,7 +2,7 @@
 
     pdserve ray up (the driver: waits, or sends one --ask)
       ├─ ProxyActor  (the proxy, on the driver's Ray node; restarted by Ray)
-      └─ Controller  (named actor `controller`, namespace `pdserve`: `ray scale` and
+      └─ Controller  (named actor `controller` in the cluster's namespace: `ray scale` and
            │           `ray status` find it; on the driver's Ray node, lives as long as it)
            ├─ NodeActor(prefill) ─ runs `pdserve serve --role prefill` on its Ray node
            └─ NodeActor(decode)  ─ …                                     (restarted by Ray)
@@ -27,11 +27,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,10 +45,13 @@ from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, NodeLoad, par
 from pdserve.config import ProxyConfig
 from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+from pdserve.tls import ClusterCA, TLSConfig, write_certs
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"
+DEFAULT_NAME = "pdserve"
+"""A cluster's name is the Ray namespace of its named actors (`--cluster-name`): several
+pdserve clusters can share one Ray cluster."""
 CONTROLLER = "controller"
 PROXY = "proxy"
 LEAVE_WAIT_S = 2.5
@@ -62,19 +68,22 @@ class RoleSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
+    tls: bool = False
+    """Serve HTTPS with a certificate the controller's CA issues for this node's IP."""
 
 
 class NodeActor:
     """One pdserve node process on this actor's Ray node (module docstring)."""
 
-    def __init__(self, role: str, spec: RoleSpec) -> None:
+    def __init__(self, role: str, spec: RoleSpec, controller: Any) -> None:
         self.role = role
         self.ip = ray.util.get_node_ip_address()
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         args = ["--advertise-host", self.ip, *spec.args]
         env = {"UCX_MODULES": "^ib", **spec.env}
-        self.node: Node = launch(args, env, host=self.ip)
+        tls = issued_tls(controller, (self.ip,)) if spec.tls else None
+        self.node: Node = launch(args, env, host=self.ip, tls=tls)
         wait_healthy(self.node, timeout_s=600)
         logger.info("%s node %s up on Ray node %s", role, self.node.url, self.ray_node)
 
@@ -98,10 +107,23 @@ class NodeActor:
 class Controller:
     """Owns the node actors: their membership, scaling and status (module docstring)."""
 
-    def __init__(self, specs: dict[str, RoleSpec]) -> None:
+    def __init__(self, specs: dict[str, RoleSpec], tls: bool = False) -> None:
         self.specs = specs
         self.actors: dict[str, list[Any]] = {role: [] for role in specs}
         self._autoscaling: asyncio.Task[None] | None = None
+        self._ca = ClusterCA() if tls else None
+        """The cluster's CA (`ray up --tls`): its key never leaves this actor."""
+
+    def ca_pem(self) -> bytes:
+        if self._ca is None:
+            raise RuntimeError("the cluster runs without TLS")
+        return self._ca.ca_pem()
+
+    def issue_cert(self, hosts: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """A server certificate and key (PEM) for `hosts`, signed by the cluster's CA."""
+        if self._ca is None:
+            raise RuntimeError("the cluster runs without TLS")
+        return self._ca.issue(hosts)
 
     def start_autoscaling(self, config: AutoscaleConfig) -> None:
         """From now on the counts follow the nodes' metrics (`autoscale.py`)."""
@@ -174,7 +196,7 @@ class Controller:
                 max_restarts=-1,
                 scheduling_strategy="SPREAD",
             )
-            .remote(role, spec)
+            .remote(role, spec, ray.get_runtime_context().current_actor)
         )
 
     async def _ready(self, actors: list[Any]) -> None:
@@ -202,9 +224,12 @@ class ProxyActor:
     pinned to the `ray up` driver's Ray node so that a restart binds the same address, and
     its pools follow the controller (`RayMembership`)."""
 
-    def __init__(self, config: ProxyConfig, controller: Any) -> None:
+    def __init__(self, config: ProxyConfig, controller: Any, tls: bool = False) -> None:
         import uvicorn
 
+        if tls:  # HTTPS to clients, and the cluster's CA to verify the nodes
+            hosts = (config.host, ray.util.get_node_ip_address())
+            config = dataclasses.replace(config, tls=issued_tls(controller, hosts))
         state = ProxyState(config, membership=RayMembership(controller))
         self.server = uvicorn.Server(proxy_uvicorn_config(state))
         self.thread = threading.Thread(target=self.server.run, name="proxy", daemon=True)
@@ -219,9 +244,10 @@ class ProxyActor:
     def info(self) -> dict[str, Any]:
         """A `ray status` row."""
         config = self.server.config
+        scheme = "https" if config.ssl_certfile else "http"
         return {
             "role": "proxy",
-            "url": f"http://{config.host}:{config.port}",
+            "url": f"{scheme}://{config.host}:{config.port}",
             "ray_node": ray.get_runtime_context().get_node_id(),
             "actor_pid": os.getpid(),
             "alive": self.thread.is_alive(),
@@ -246,7 +272,7 @@ class RayMembership:
             return None
 
 
-def start_controller(specs: dict[str, RoleSpec]) -> Any:
+def start_controller(specs: dict[str, RoleSpec], tls: bool = False) -> Any:
     """The named controller, owned by the calling driver (it dies with it) and pinned to
     the driver's Ray node: the node actors it owns die with it, so it must not sit on a
     node that can die under a cluster that survives (found by the node-death test)."""
@@ -255,40 +281,46 @@ def start_controller(specs: dict[str, RoleSpec]) -> Any:
         ray.remote(Controller)
         .options(
             name=CONTROLLER,
-            namespace=NAMESPACE,
             num_cpus=0,
             max_concurrency=64,
             scheduling_strategy=here,
         )
-        .remote(specs)
+        .remote(specs, tls)
     )
 
 
-def start_proxy(config: ProxyConfig, controller: Any) -> Any:
+def issued_tls(controller: Any, hosts: tuple[str, ...]) -> TLSConfig:
+    """This process's TLS files, issued by the cluster's CA for `hosts`, in a new private
+    folder of this Ray node."""
+    cert, key = ray.get(controller.issue_cert.remote(hosts))
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+    return write_certs(folder, ray.get(controller.ca_pem.remote()), cert, key).config()
+
+
+def start_proxy(config: ProxyConfig, controller: Any, tls: bool = False) -> Any:
     """The proxy actor on the driver's Ray node, restarted when it dies."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return (
         ray.remote(ProxyActor)
         .options(
             name=PROXY,
-            namespace=NAMESPACE,
             num_cpus=0,
             max_restarts=-1,
             scheduling_strategy=here,
         )
-        .remote(config, controller)
+        .remote(config, controller, tls)
     )
 
 
 def find_controller() -> Any:
-    return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    return ray.get_actor(CONTROLLER)
 
 
 def status_rows() -> list[dict[str, Any]]:
     """The proxy's row (when it answers), then each node's."""
     rows: list[dict[str, Any]] = []
     try:
-        proxy: Any = ray.get(ray.get_actor(PROXY, namespace=NAMESPACE).info.remote(), timeout=5)
+        proxy: Any = ray.get(ray.get_actor(PROXY).info.remote(), timeout=5)
         rows.append(proxy)
     except Exception:  # restarting, or not started yet
         rows.append({"role": "proxy", "url": None, "alive": False})
@@ -296,11 +328,11 @@ def status_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, name: str = DEFAULT_NAME) -> None:
     """Join the Ray cluster at `address` (`auto`: the local one `ray start` made), or start
-    a local one (None)."""
+    a local one (None), in the namespace of the pdserve cluster `name`."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(address=address, namespace=name, include_dashboard=False, log_to_driver=False)
 
 
 def wait_members(controller: Any, counts: dict[str, int], timeout_s: float = 600) -> None:

@@ -32,6 +32,7 @@ from tests.disagg.conftest import (
     make_prompt,
     token_ids,
 )
+from tests.proxy.conftest import chat_model_dir  # noqa: F401  (a fixture: the tiny model that chats)
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.timeout(600)
@@ -204,6 +205,28 @@ def test_a_killed_proxy_actor_is_restarted_and_serves_again(ray_cluster: RayClus
     wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the proxy to serve")
 
 
+def test_a_second_cluster_over_tls_answers_on_the_same_ray_cluster(
+    ray_cluster: RayCluster,
+    chat_model_dir: Path,  # noqa: F811
+) -> None:
+    """`ray up --tls --cluster-name`: the controller's CA issues each node a certificate
+    for its Ray node's IP; every URL is https and the answer comes through."""
+    pytest.importorskip("cryptography", reason="the tls extra is not installed")
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", ray_cluster.address,
+         "--cluster-name", "tls-test", "--tls", "--port", str(free_port()),
+         "--model", str(chat_model_dir), "--dtype", "float32",
+         "--num-kv-blocks", "96", "--max-model-len", "512", "--api-key", API_KEY,
+         "--routing", "least-loaded", "--ask", "hello", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300, env=ray_cluster.env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [listing] = [line for line in done.stdout.splitlines() if line.startswith("nodes: ")]
+    assert listing.count("https://") == 2 and "http://" not in listing
+    assert done.stdout.strip().splitlines()[-1]  # the answer (the tiny model's bytes)
+    assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "prefill"]  # untouched
+
+
 def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
     ray_cluster: RayCluster,
 ) -> None:
@@ -244,10 +267,10 @@ def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
     import ray
 
     from pdserve.cluster.autoscale import AutoscaleConfig
-    from pdserve.cluster.ray_nodes import NAMESPACE, find_controller
+    from pdserve.cluster.ray_nodes import DEFAULT_NAME, find_controller
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address=ray_cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address=ray_cluster.address, namespace=DEFAULT_NAME, log_to_driver=False)
     try:
         config = AutoscaleConfig(min_decode=2, max_decode=3, interval_s=0.5, cooldown_s=0)
         ray.get(find_controller().start_autoscaling.remote(config))
