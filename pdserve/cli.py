@@ -163,12 +163,23 @@ def _proxy(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.proxy.app import ProxyState, run_proxy
+    from pdserve.proxy.membership import FileMembership, read_members
     from pdserve.proxy.routing import routing_options
 
     api_key = args.api_key or envs.api_key()
+    prefill, decode, membership = args.prefill, args.decode, None
+    if args.members_file:
+        if prefill or decode:
+            raise ConfigError("--members-file names the nodes: no --prefill/--decode with it")
+        try:
+            membership = FileMembership(args.members_file)  # before the read: no change missed
+        except OSError as e:
+            raise ConfigError(f"members file {args.members_file}: {e}") from e
+        members = read_members(args.members_file)
+        prefill, decode = members["prefill"], members["decode"]
     config = ProxyConfig(
-        prefill_urls=tuple(args.prefill),
-        decode_urls=tuple(args.decode),
+        prefill_urls=tuple(prefill),
+        decode_urls=tuple(decode),
         host=args.host,
         port=args.port,
         api_key=api_key,
@@ -182,7 +193,7 @@ def _proxy(args: argparse.Namespace) -> int:
         **routing_options(args),
     )
     seams = Seams(between_legs_s=args.debug_delay_between_legs_s)
-    asyncio.run(run_proxy(ProxyState(config, seams)))
+    asyncio.run(run_proxy(ProxyState(config, seams, membership)))
     return 0
 
 
@@ -319,8 +330,15 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     prx = sub.add_parser("proxy", help="the OpenAI API in front of prefill and decode nodes")
     prx.add_argument("--host", default=ProxyConfig.host)
     prx.add_argument("--port", type=int, default=ProxyConfig.port)
-    prx.add_argument("--prefill", action="append", required=True, help="prefill node URL")
-    prx.add_argument("--decode", action="append", required=True, help="decode node URL")
+    prx.add_argument("--prefill", action="append", default=[], help="prefill node URL")
+    prx.add_argument("--decode", action="append", default=[], help="decode node URL")
+    prx.add_argument(
+        "--members-file",
+        default=None,
+        metavar="PATH",
+        help='the nodes as JSON {"prefill": [URL, ...], "decode": [...]}, followed while '
+        "serving (instead of --prefill/--decode)",
+    )
     prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
     prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
     prx.add_argument("--prefill-timeout-s", type=float, default=ProxyConfig.prefill_timeout_s)

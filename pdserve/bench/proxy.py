@@ -42,6 +42,11 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--proxy-cpu", type=int, default=0, help="core the proxy is pinned to")
     p.add_argument("--tls", action="store_true", help="also measure with every hop over TLS")
     p.add_argument(
+        "--discovery",
+        action="store_true",
+        help="also measure with the nodes from a members file the proxy follows",
+    )
+    p.add_argument(
         "--routing", default=None, help="the proxy's --routing (default: the proxy's default)"
     )
     p.add_argument("--json", action="store_true")
@@ -159,12 +164,21 @@ def _stats(latencies: list[float], duration_s: float) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     with sigterm_as_interrupt():  # SIGTERM stops the stub and the proxy as Ctrl-C does
         results = {"plain": _run(args, TLSConfig())}
-        if args.tls:
-            with tempfile.TemporaryDirectory(prefix="pdserve-bench-tls-") as certs:
-                results["tls"] = _run(args, make_cluster_certs(Path(certs)).config())
+        with tempfile.TemporaryDirectory(prefix="pdserve-bench-proxy-") as folder:
+            if args.tls:
+                certs = make_cluster_certs(Path(folder)).config()
+                results["tls"] = _run(args, certs)
+            if args.discovery:
+                results["discovery"] = _run(args, TLSConfig(), Path(folder) / "members.json")
     for mode, rows in results.items():
         print(f"\n{mode}:")
         _print(rows)
+    if args.discovery:
+        for c in results["plain"]:
+            added = (
+                results["discovery"][c]["proxy"]["p50_ms"] - results["plain"][c]["proxy"]["p50_ms"]
+            )
+            print(f"concurrency {c}: discovery (a members file) adds {added:.2f} ms p50")
     if args.tls:
         for c in results["plain"]:
             plain, tls = results["plain"][c], results["tls"][c]
@@ -177,13 +191,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, tls: TLSConfig) -> dict[int, dict[str, Any]]:
+def _run(
+    args: argparse.Namespace, tls: TLSConfig, members: Path | None = None
+) -> dict[int, dict[str, Any]]:
+    """One mode's rows; with `members`, the proxy follows that file (the stub in it) every
+    health interval instead of being given the stub's URL."""
     stub_port, proxy_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port),
                              str(os.getpid()), *tls.as_args()])  # fmt: skip
     url = f"{tls.scheme}://127.0.0.1:{stub_port}"
+    nodes = ["--prefill", url, "--decode", url]
+    if members is not None:
+        members.write_text(json.dumps({"prefill": [url], "decode": [url]}))
+        nodes = ["--members-file", str(members)]
     routing = ["--routing", args.routing] if args.routing else []
-    proxy = launch(["--prefill", url, "--decode", url, *routing], {"PDSERVE_LOG_LEVEL": "WARNING"},
+    proxy = launch([*nodes, *routing], {"PDSERVE_LOG_LEVEL": "WARNING"},
                    port=proxy_port, command="proxy", tls=tls).process  # fmt: skip
     context = tls.client_context() if tls.serves else None
     try:

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import uvicorn
@@ -38,6 +38,7 @@ from pdserve.config import ProxyConfig
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.admission import Admission, AdmissionGate
 from pdserve.proxy.legs import Stage, serve_request
+from pdserve.proxy.membership import Membership
 from pdserve.proxy.pool import BackendPool, BreakerState, check_health
 from pdserve.proxy.routing import Router, make_router
 from pdserve.seams import NO_SEAMS, Seams
@@ -127,20 +128,12 @@ class ProxyMetrics:
         )
 
 
-class Membership(Protocol):
-    """Where the proxy learns its nodes while serving (`pdserve/cluster/`); without one,
-    the fixed URLs of `ProxyConfig` are the nodes."""
-
-    async def members(self) -> dict[str, list[str]] | None:
-        """Node URLs by role (`prefill`, `decode`); None: unknown now, keep the last."""
-        ...
-
-
 @dataclass
 class ProxyState:
     config: ProxyConfig
     seams: Seams = NO_SEAMS
     membership: Membership | None = None
+    """Where the nodes come from while serving (`membership.py`); None: the fixed URLs."""
     node_ssl: ssl.SSLContext = field(init=False)
     """Verifies https nodes (legs, health checks, releases)."""
     prefill: BackendPool = field(init=False)
