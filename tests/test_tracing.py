@@ -104,6 +104,7 @@ def collector() -> Iterator[Collector]:
 
     port = free_port()
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    httpd.daemon_threads, httpd.block_on_close = True, False  # never wait on an exporter
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     state.url = f"http://127.0.0.1:{port}"

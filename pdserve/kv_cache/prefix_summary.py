@@ -120,12 +120,14 @@ def parse_summary(data: object) -> CachedPrefixes:
     return CachedPrefixes(summary.block_size, summary.version, cuts)
 
 
-def prompt_chain(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prompt_chain(token_ids: Sequence[int], block_size: int, stored: bool = False) -> list[bytes]:
     """The cuts of a prompt's full-block hashes, as a node would look them up: the last
-    token is never a hit (`KVCacheManager.find_cached_prefix`)."""
+    token is never a hit (`KVCacheManager.find_cached_prefix`). `stored`: every full block
+    instead, as the node holds them once it has computed the prompt."""
     chain: list[bytes] = []
     parent: BlockHash | None = None
-    for i in range((len(token_ids) - 1) // block_size):
+    num_blocks = len(token_ids) // block_size if stored else (len(token_ids) - 1) // block_size
+    for i in range(num_blocks):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         chain.append(parent[:HASH_BYTES])
     return chain

@@ -69,9 +69,15 @@ class Prompt:
         return len(self.token_ids)
 
     def chain(self, block_size: int) -> list[bytes]:
+        """Every full block's hash cut: what a node holds once it computed the prompt. A
+        lookup stops one short of a prompt that ends on a block boundary (`lookup`)."""
         if block_size not in self._chains:
-            self._chains[block_size] = prompt_chain(self.token_ids, block_size)
+            self._chains[block_size] = prompt_chain(self.token_ids, block_size, stored=True)
         return self._chains[block_size]
+
+    def lookup(self, block_size: int) -> list[bytes]:
+        """The blocks a node can serve from its cache: never the prompt's last token."""
+        return self.chain(block_size)[: (self.num_tokens - 1) // block_size]
 
 
 class Router:
@@ -239,7 +245,7 @@ def num_cached_tokens(backend: Backend, prompt: Prompt) -> int:
         return 0
     since = time.monotonic() - RECENT_S
     n = 0
-    for cut in prompt.chain(cached.block_size):
+    for cut in prompt.lookup(cached.block_size):
         if cut not in cached.hashes and not backend.sent_since(cut, since):
             break
         n += 1

@@ -155,3 +155,15 @@ def test_cache_aware_without_a_model_and_bad_limits_are_config_errors() -> None:
         ProxyConfig(**urls, max_concurrency=0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="disagg_min_tokens"):
         ProxyConfig(**urls, disagg_min_tokens=-1)  # type: ignore[arg-type]
+
+
+def test_a_prompt_sent_counts_every_full_block_for_the_next_longer_prompt() -> None:
+    """The node holds all of a computed prompt's full blocks, the last one too (it only
+    cannot serve a prompt its own last token): a turn that extends it reuses all."""
+    from pdserve.proxy.routing import num_cached_tokens
+
+    router, pool = make_router(), make_pool()
+    b = pool.backends[1]
+    router.sent(b, Prompt(SYSTEM))  # 8 full blocks of 4
+    assert num_cached_tokens(b, Prompt([*SYSTEM, 1, 2])) == 32
+    assert num_cached_tokens(b, Prompt(SYSTEM)) == 28  # its own last token: never a hit

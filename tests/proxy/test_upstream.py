@@ -229,9 +229,14 @@ def test_a_silent_node_times_out_and_an_absent_one_is_unreachable() -> None:
     run(main())
 
 
-def test_a_node_url_must_be_http_host_port() -> None:
-    with pytest.raises(ValueError, match="http://host:port"):
-        Node("https://example.org")
+def test_a_node_url_must_be_http_or_https_host_port() -> None:
+    with pytest.raises(ValueError, match=r"http\(s\)://host:port"):
+        Node("ftp://example.org")
+    with pytest.raises(ValueError, match="host:port"):
+        Node("http://")
+    assert (Node("https://example.org").host, Node("https://example.org").port) == (
+        "example.org", 443
+    )  # fmt: skip
 
 
 # -- the outstanding count -----------------------------------------------------------------
