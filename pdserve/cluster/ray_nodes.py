@@ -276,17 +276,8 @@ def start_controller(specs: dict[str, RoleSpec], tls: bool = False) -> Any:
     """The named controller, owned by the calling driver (it dies with it) and pinned to
     the driver's Ray node: the node actors it owns die with it, so it must not sit on a
     node that can die under a cluster that survives (found by the node-death test)."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return (
-        ray.remote(Controller)
-        .options(
-            name=CONTROLLER,
-            num_cpus=0,
-            max_concurrency=64,
-            scheduling_strategy=here,
-        )
-        .remote(specs, tls)
-    )
+    options = {"name": CONTROLLER, "max_concurrency": 64}
+    return _on_this_node(Controller, **options).remote(specs, tls)
 
 
 def issued_tls(controller: Any, hosts: tuple[str, ...]) -> TLSConfig:
@@ -299,17 +290,13 @@ def issued_tls(controller: Any, hosts: tuple[str, ...]) -> TLSConfig:
 
 def start_proxy(config: ProxyConfig, controller: Any, tls: bool = False) -> Any:
     """The proxy actor on the driver's Ray node, restarted when it dies."""
+    return _on_this_node(ProxyActor, name=PROXY, max_restarts=-1).remote(config, controller, tls)
+
+
+def _on_this_node(cls: type, **options: Any) -> Any:
+    """`cls` as an actor on the calling driver's Ray node, reserving no CPU."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return (
-        ray.remote(ProxyActor)
-        .options(
-            name=PROXY,
-            num_cpus=0,
-            max_restarts=-1,
-            scheduling_strategy=here,
-        )
-        .remote(config, controller, tls)
-    )
+    return ray.remote(cls).options(num_cpus=0, scheduling_strategy=here, **options)
 
 
 def find_controller() -> Any:
