@@ -7,8 +7,9 @@ request's outputs stream through `MetricsRecorder.track`.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -116,7 +117,6 @@ class MetricsRecorder:
         self.decode_time = self._histogram(
             "vllm:request_decode_time_seconds", "First token to the last"
         )
-        self.model_name = model_name
 
     def record_connector_stats(self, stats: KVConnectorStats) -> None:
         for num_bytes, seconds in stats.transfers:
@@ -198,3 +198,16 @@ class MetricsRecorder:
             span.set("pdserve.outcome", outcome or "refused")
             span.end()
             await outputs.aclose()
+
+
+def read_metrics(text: str, names: Collection[str]) -> dict[str, float]:
+    """The values of `names` in a node's `/metrics` text (Prometheus format; the sample's
+    labels ignored, the last sample of each name kept). A name missing, or whose value does
+    not parse, is absent: what the proxy and the autoscaler read from nodes."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            with contextlib.suppress(ValueError, IndexError):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values

@@ -15,11 +15,11 @@ change (a new node needs time to load and take load; a drained one to finish).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.api.metrics import read_metrics
 from pdserve.errors import ConfigError
 
 
@@ -116,10 +116,5 @@ METRICS = {
 
 def parse_load(role: str, text: str) -> NodeLoad:
     """A node's `/metrics` (Prometheus text) as its load; a metric missing reads 0."""
-    values = dict.fromkeys(METRICS.values(), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in METRICS:
-            with contextlib.suppress(ValueError):
-                values[METRICS[name]] = float(line.rsplit(" ", 1)[1])
-    return NodeLoad(role, **values)
+    values = read_metrics(text, METRICS)
+    return NodeLoad(role, **{field: values.get(name, 0.0) for name, field in METRICS.items()})

@@ -181,13 +181,17 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    import ray
 
     from pdserve.cluster import ray_nodes
 
     ray_nodes.connect(args.address, args.cluster_name)
     rows = ray_nodes.status_rows()
     tls = any(str(row.get("url")).startswith("https") for row in rows)
-    verify = _client_tls(ray_nodes.find_controller()).client_context() if tls else True
+    verify: ssl.SSLContext | bool = True
+    if tls:  # the cluster CA in memory: nothing left on disk by a status call
+        ca_pem = ray.get(ray_nodes.find_controller().ca_pem.remote()).decode()
+        verify = ssl.create_default_context(cadata=ca_pem)
     for row in rows:
         if row.get("alive") and row["role"] != "proxy":
             row.update(_kv(row.get("url"), args.api_key, verify))

@@ -79,7 +79,8 @@ def launch(
         [*cmd, *tls.as_args(), *args], env={**os.environ, **(env or {})}, stdout=output,
         stderr=output,
     )  # fmt: skip
-    return Node(f"{tls.scheme}://{host}:{port}", process, tls.client_context())
+    verify = tls.client_context() if tls.serves else True  # no CA bundle read for plain HTTP
+    return Node(f"{tls.scheme}://{host}:{port}", process, verify)
 
 
 @contextlib.contextmanager

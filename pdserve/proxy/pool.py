@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.api.metrics import read_metrics
 from pdserve.kv_cache.prefix_summary import EMPTY, CachedPrefixes, MalformedSummary, parse_summary
 from pdserve.proxy.upstream import Node, UpstreamResponse
 
@@ -294,10 +295,4 @@ async def _poll_summary(backend: Backend, http: httpx.AsyncClient, headers: dict
 
 
 def _kv_usage(text: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(KV_USAGE_METRIC):
-            try:
-                return float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                return 0.0
-    return 0.0
+    return read_metrics(text, (KV_USAGE_METRIC,)).get(KV_USAGE_METRIC, 0.0)
