@@ -11,7 +11,7 @@ pdserve ray scale --prefill N --decode M [--address auto]
     change a running cluster's counts; a removed node leaves the proxy's pools, then
     drains.
 pdserve ray status [--address auto]
-    the nodes: role, URL, Ray node, alive, restarted, KV use and handoffs held.
+    the nodes: name (role-k), URL, Ray node, alive, restarted, KV use and handoffs held.
 """
 
 from __future__ import annotations
@@ -198,10 +198,10 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'role':8} {'url':28} {'ray node':14} {'alive':6} {'restarted':10} "
+    print(f"{'node':10} {'url':28} {'ray node':14} {'alive':6} {'restarted':10} "
           f"{'kv use':7} {'held':5}")  # fmt: skip
     for row in rows:
-        print(f"{row['role']:8} {row.get('url') or '-':28} {str(row.get('ray_node'))[:12]:14} "
+        print(f"{row.get('name', row['role']):10} {row.get('url') or '-':28} {str(row.get('ray_node'))[:12]:14} "
               f"{row.get('alive')!s:6} {row.get('restarted')!s:10} "
               f"{row.get('kv_use', '-')!s:7} {row.get('num_held_blocks', '-')!s:5}")  # fmt: skip
     return 0

@@ -10,8 +10,9 @@
 - A `NodeActor` starts one node process on its Ray node, bound to that node's IP (which
   it advertises for KV over NIXL/UCX), and waits until it is healthy. The node watches the
   actor's pid (`--parent-pid`): if the actor dies, the node drains and exits on its own.
-- Ray restarts a dead `NodeActor` (`max_restarts=-1`), on any node with the resources:
-  it starts a fresh node process on a new port, with a new epoch, so handoffs of the old
+- Ray restarts a dead `NodeActor` (`max_restarts=-1`), on any node with the resources;
+  a node process that ends unasked ends its actor, so Ray restarts that too. A restart
+  starts a fresh node process on a new port, with a new epoch, so handoffs of the old
   one are refused (S11) and freed by their leases (S10).
 - `Controller.members()` lists the nodes that answer now: the proxy's `RayMembership`
   polls it every health interval and its pools follow (`BackendPool.set_members`). A
@@ -72,11 +73,18 @@ class RoleSpec:
     """Serve HTTPS with a certificate the controller's CA issues for this node's IP."""
 
 
+@dataclass
+class Member:
+    name: str
+    """`decode-3`: unique in the cluster, kept across the actor's restarts."""
+    actor: Any
+
+
 class NodeActor:
     """One pdserve node process on this actor's Ray node (module docstring)."""
 
-    def __init__(self, role: str, spec: RoleSpec, controller: Any) -> None:
-        self.role = role
+    def __init__(self, name: str, role: str, spec: RoleSpec, controller: Any) -> None:
+        self.name, self.role = name, role
         self.ip = ray.util.get_node_ip_address()
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -84,12 +92,25 @@ class NodeActor:
         env = {"UCX_MODULES": "^ib", **spec.env}
         tls = issued_tls(controller, (self.ip,)) if spec.tls else None
         self.node: Node = launch(args, env, host=self.ip, tls=tls)
+        self._draining = False
         wait_healthy(self.node, timeout_s=600)
         logger.info("%s node %s up on Ray node %s", role, self.node.url, self.ray_node)
+        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A node process that ends unasked (killed, crashed, SIGTERMed from outside) ends
+        this actor too, so that Ray restarts both: an actor left alive over a dead node
+        would hold its place in the cluster and never be restarted."""
+        status = self.node.process.wait()
+        if not self._draining:
+            logger.error("%s node %s exited (%s) unasked: restarting", self.role,
+                         self.node.url, status)  # fmt: skip
+            os._exit(1)
 
     def info(self) -> dict[str, Any]:
         alive = self.node.process.poll() is None
         return {
+            "name": self.name,
             "role": self.role,
             "url": self.node.url,
             "ray_node": self.ray_node,
@@ -101,6 +122,7 @@ class NodeActor:
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """SIGTERM the node (it refuses new work, finishes what it has) and wait."""
+        self._draining = True
         return stop(self.node, timeout_s)
 
 
@@ -109,7 +131,8 @@ class Controller:
 
     def __init__(self, specs: dict[str, RoleSpec], tls: bool = False) -> None:
         self.specs = specs
-        self.actors: dict[str, list[Any]] = {role: [] for role in specs}
+        self.actors: dict[str, list[Member]] = {role: [] for role in specs}
+        self._started = {role: 0 for role in specs}
         self._autoscaling: asyncio.Task[None] | None = None
         self._ca = ClusterCA() if tls else None
         """The cluster's CA (`ray up --tls`): its key never leaves this actor."""
@@ -174,21 +197,23 @@ class Controller:
         """The URLs of the nodes that answer now, by role."""
         found: dict[str, list[str]] = {}
         for role, actors in self.actors.items():
-            infos = await asyncio.gather(*(_info(a) for a in actors))
+            infos = await asyncio.gather(*(_info(m.actor) for m in actors))
             found[role] = [i["url"] for i in infos if i is not None and i["alive"]]
         return found
 
     async def status(self) -> list[dict[str, Any]]:
         rows = []
         for role, actors in self.actors.items():
-            for actor in actors:
-                info = await _info(actor)
-                rows.append(info or {"role": role, "url": None, "alive": False})
+            for m in actors:
+                info = await _info(m.actor)
+                rows.append(info or {"name": m.name, "role": role, "url": None, "alive": False})
         return rows
 
-    def _start(self, role: str) -> Any:
+    def _start(self, role: str) -> Member:
         spec = self.specs[role]
-        return (
+        self._started[role] += 1
+        name = f"{role}-{self._started[role]}"
+        actor = (
             ray.remote(NodeActor)
             .options(
                 num_cpus=spec.num_cpus,
@@ -196,18 +221,19 @@ class Controller:
                 max_restarts=-1,
                 scheduling_strategy="SPREAD",
             )
-            .remote(role, spec, ray.get_runtime_context().current_actor)
+            .remote(name, role, spec, ray.get_runtime_context().current_actor)
         )
+        return Member(name, actor)
 
-    async def _ready(self, actors: list[Any]) -> None:
-        await asyncio.gather(*(_info(a, timeout_s=600) for a in actors))
+    async def _ready(self, actors: list[Member]) -> None:
+        await asyncio.gather(*(_info(m.actor, timeout_s=600) for m in actors))
 
-    async def _remove(self, actor: Any) -> None:
+    async def _remove(self, member: Member) -> None:
         try:
-            await asyncio.wait_for(actor.drain.remote(), 60)
+            await asyncio.wait_for(member.actor.drain.remote(), 60)
         except Exception as e:  # gone already, or stuck: killing it ends its node too
-            logger.warning("drain failed: %s", e)
-        ray.kill(actor, no_restart=True)
+            logger.warning("drain of %s failed: %s", member.name, e)
+        ray.kill(member.actor, no_restart=True)
 
 
 async def _info(actor: Any, timeout_s: float = 2.0) -> dict[str, Any] | None:

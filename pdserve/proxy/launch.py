@@ -157,11 +157,16 @@ def kill(node: Node) -> None:
 def signal_whole(node: Node, sig: signal.Signals) -> None:
     """Send `sig` to the node's engine process and its API process (SIGSTOP / SIGCONT
     freeze and thaw the whole node)."""
-    for pid in _children(node.process.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
     if node.process.poll() is None:
-        node.process.send_signal(sig)
+        signal_tree(node.process.pid, sig)
+
+
+def signal_tree(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to the children of process `pid` (a node's engine), then to `pid` (its
+    API process): a node by pid, from a process that did not start it."""
+    for child in [*_children(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, sig)
 
 
 def _children(pid: int) -> list[int]:

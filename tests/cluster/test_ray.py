@@ -193,6 +193,24 @@ def test_a_killed_node_actor_is_restarted_and_rejoins(ray_cluster: RayCluster) -
     wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the cluster to serve")
 
 
+def test_a_node_process_that_dies_under_its_actor_is_restarted(ray_cluster: RayCluster) -> None:
+    """SIGKILL the node's own processes, not its actor: the actor sees its node gone and
+    ends too, so Ray restarts both (an actor left over a dead node would hold its place
+    and never be restarted)."""
+    [prefill] = [r for r in ray_cluster.nodes() if r["role"] == "prefill"]
+    assert prefill["name"] == "prefill-1"
+    os.kill(prefill["pid"], signal.SIGKILL)
+    wait_until(
+        lambda: any(r["name"] == "prefill-1" and r["alive"] and r["url"] != prefill["url"]
+                    for r in ray_cluster.nodes()),
+        180, "the prefill node to be restarted",
+    )  # fmt: skip
+    [back] = [r for r in ray_cluster.nodes() if r["role"] == "prefill"]
+    assert back["restarted"] is True and back["actor_pid"] != prefill["actor_pid"]
+    body = completion(make_prompt(30, seed=122), max_tokens=6)
+    wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the cluster to serve")
+
+
 def test_a_killed_proxy_actor_is_restarted_and_serves_again(ray_cluster: RayCluster) -> None:
     [proxy] = [r for r in ray_cluster.status() if r["role"] == "proxy"]
     assert proxy["alive"] and proxy["restarted"] is False
