@@ -201,7 +201,8 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"{'node':10} {'url':28} {'ray node':14} {'alive':6} {'restarted':10} "
           f"{'kv use':7} {'held':5}")  # fmt: skip
     for row in rows:
-        print(f"{row.get('name', row['role']):10} {row.get('url') or '-':28} {str(row.get('ray_node'))[:12]:14} "
+        name = row.get("name", row["role"])
+        print(f"{name:10} {row.get('url') or '-':28} {str(row.get('ray_node'))[:12]:14} "
               f"{row.get('alive')!s:6} {row.get('restarted')!s:10} "
               f"{row.get('kv_use', '-')!s:7} {row.get('num_held_blocks', '-')!s:5}")  # fmt: skip
     return 0

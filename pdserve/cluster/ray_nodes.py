@@ -341,11 +341,18 @@ def status_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def connect(address: str | None, name: str = DEFAULT_NAME) -> None:
+def connect(address: str | None, name: str = DEFAULT_NAME, num_cpus: int | None = None) -> None:
     """Join the Ray cluster at `address` (`auto`: the local one `ray start` made), or start
-    a local one (None), in the namespace of the pdserve cluster `name`."""
+    a local one (None) with `num_cpus` logical CPUs (default: the machine's), in the
+    namespace of the pdserve cluster `name`."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address=address, namespace=name, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address=address,
+        namespace=name,
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=num_cpus if address is None else None,
+    )
 
 
 def wait_members(controller: Any, counts: dict[str, int], timeout_s: float = 600) -> None:

@@ -1,11 +1,12 @@
 """The chaos harness's cluster: prefill and decode nodes, a reference node and a proxy, and
 a sampler of the nodes' KV pools.
 
-Two kinds. A `LocalCluster` is launched by the harness, so it can kill, stop and restart
+Three kinds. A `LocalCluster` is launched by the harness, so it can kill, stop and restart
 nodes; with a `NamespaceBed` its prefill and decode nodes run in two network namespaces
-(two hosts on one machine) and the link between them can be cut or degraded. A cluster
-targeted by URL (`Cluster.targeted`) belongs to someone else: the harness only sends
-requests and reads `/admin/kv`.
+(two hosts on one machine) and the link between them can be cut or degraded. A
+`RayCluster` (`ray_cluster.py`) is placed and restarted by Ray, and can also be scaled. A
+cluster targeted by URL (`Cluster.targeted`) belongs to someone else: the harness only
+sends requests and reads `/admin/kv`.
 
 Life of a local node slot: launched → healthy → (SIGKILL: the whole node, API and engine
 processes, as when a machine dies | SIGTERM: it drains and exits) → restarted on the same
@@ -61,6 +62,9 @@ class Cluster:
         self.proxy_url = ""
         self.reference_url: str | None = None
         """A single node on the same model, for the greedy comparison."""
+        self.prefill_urls: list[str] = []
+        """Where the workload sends its direct prefill legs (updated in place when a
+        node's URL changes)."""
         self.samples: list[Sample] = []
         self._stop_sampling = threading.Event()
         self._started_s = time.monotonic()
@@ -84,6 +88,7 @@ class Cluster:
             for i, url in enumerate(urls, 1):
                 cluster.slots.append(Slot(f"{role}-{i}", role, [], url.rstrip("/")))
         cluster.proxy_url = proxy_url.rstrip("/")
+        cluster.prefill_urls = [s.url for s in cluster.slots if s.role == "prefill"]
         cluster.reference_url = reference_url.rstrip("/") if reference_url else None
         for url in [s.url for s in cluster.slots] + [cluster.proxy_url]:
             httpx.get(f"{url}/health", timeout=10).raise_for_status()
@@ -100,7 +105,7 @@ class Cluster:
     def _sample_loop(self) -> None:
         with httpx.Client(headers=self.node_headers, timeout=2.0) as http:
             while not self._stop_sampling.wait(0.1):
-                for slot in self.slots:
+                for slot in list(self.slots):  # a list another thread may replace
                     try:
                         kv = http.get(f"{slot.url}/admin/kv").json()
                     except (httpx.HTTPError, ValueError):
@@ -108,6 +113,24 @@ class Cluster:
                     total, held = kv["num_blocks"], kv["num_held_blocks"]
                     used = total - kv["num_free_blocks"]
                     self.samples.append(Sample(self.now_s(), slot.name, used, held, total))
+
+    # -- faults: on a cluster the harness runs (`owns_processes`) --------------------------
+
+    def kill(self, slot: Slot) -> None:
+        """SIGKILL the whole node, as when its machine dies."""
+        raise NotImplementedError("the cluster was targeted by URL")
+
+    def terminate(self, slot: Slot, timeout_s: float = 60.0) -> int:
+        """SIGTERM: the node drains and exits; returns its exit status."""
+        raise NotImplementedError("the cluster was targeted by URL")
+
+    def restart(self, slot: Slot) -> None:
+        """Returns once the slot's node serves again."""
+        raise NotImplementedError("the cluster was targeted by URL")
+
+    def scale(self, role: str, count: int) -> None:
+        """`count` nodes of `role` from now on; returns once they serve."""
+        raise NotImplementedError("only a cluster on Ray scales (--ray)")
 
     def stop(self) -> None:
         self._stop_sampling.set()
@@ -145,6 +168,7 @@ class LocalCluster(Cluster):
         for slot in self.slots:
             slot.node = self._launch(slot)
             slot.url = slot.node.url
+        self.prefill_urls = [s.url for s in self.slots if s.role == "prefill"]
         reference = launch(self.node_args, self.env)
         model = self.node_args[self.node_args.index("--model") + 1]  # the proxy's tokenizer
         proxy_args = ["--api-key", self.api_key, "--health-interval-s", "0.2", "--model", model]

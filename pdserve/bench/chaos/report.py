@@ -35,7 +35,17 @@ STAGE_LABELS = {
 """The issue's stages: queued on prefill, during prefill, between legs, queued on decode,
 during transfer, during decode. The proxy sees the legs, not the queues inside a node."""
 UNKNOWN_STAGE = "unknown: the proxy saw no departure (answered already, or never reached)"
-LOCAL_ONLY = ("num_prefill", "num_decode", "model", "dtype", "num_kv_blocks", "netns")
+LOCAL_ONLY = (
+    "num_prefill",
+    "num_decode",
+    "model",
+    "dtype",
+    "num_kv_blocks",
+    "netns",
+    "ray",
+    "ray_address",
+    "ray_node_cpus",
+)
 TARGET_ONLY = ("proxy", "prefill", "decode", "reference")
 RELEASE_EDGES_MS = (10, 20, 50, 100, 1000)
 
@@ -77,6 +87,9 @@ def summary(chaos: ChaosRun, records: list[RequestRecord], workload: Workload,
     mode = "cluster targeted by URL" if chaos.args.proxy else "local cluster"
     if chaos.args.netns:
         mode += " in network namespaces"
+    if chaos.args.ray:
+        where = chaos.args.ray_address or "a local Ray cluster"
+        mode += f" on Ray ({where}): node and proxy actors"
     return {
         "config": config,
         "mode": mode,

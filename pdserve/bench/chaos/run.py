@@ -2,13 +2,15 @@
 checks that make pdserve's promise measurable.
 
     start a local cluster (P prefill, D decode, a reference node, a proxy; with --netns the
-    prefill and decode nodes in two network namespaces), or target one by URL (--proxy)
+    prefill and decode nodes in two network namespaces), or the same on Ray (--ray: node
+    and proxy actors, `pdserve ray up`'s), or target one by URL (--proxy)
     → load for --duration-s, faults at seeded times: SIGKILL a decode node and a prefill
       node (each restarted), SIGTERM a node (restarted after it drained), a burst that
-      exhausts KV blocks, and with --netns a partition of the node-to-node link (S12) and
-      netem latency and loss on it. A fault that cannot apply is skipped and reported:
+      exhausts KV blocks, with --netns a partition of the node-to-node link (S12) and
+      netem latency and loss on it, with --ray a decode node added and later removed
+      (drained) while serving. A fault that cannot apply is skipped and reported:
       process faults on a cluster the harness did not start, network faults without
-      --netns, netem where the kernel lacks it
+      --netns, scaling without --ray, netem where the kernel lacks it
     → stop the load; checks (`checks.py`); each cancel labelled with the stage it hit
     → report (report.json, report.md, plots) in --report; exit status 1 on any violation,
       77 when --netns cannot create namespaces here.
@@ -23,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -34,10 +36,13 @@ from pdserve.bench.chaos.report import headline, summary, write_report
 from pdserve.bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
 from pdserve.proxy.launch import sigterm_as_interrupt
 
+if TYPE_CHECKING:
+    from pdserve.bench.chaos.ray_cluster import RayCluster
+
 logger = logging.getLogger(__name__)
 
 API_KEY = "chaos-key"
-FAULT_KINDS = ("kill", "burst", "sigterm", "partition", "netem")
+FAULT_KINDS = ("kill", "burst", "sigterm", "partition", "netem", "scale")
 NETEM_SPEC = ("delay", "20ms", "5ms", "loss", "1%")
 RELEASE_WATCH_S = 15.0
 """How long a departed request's handoff is watched (past the lease: a leak)."""
@@ -66,6 +71,18 @@ def add_parser(bench_sub: Any) -> None:
     local.add_argument("--netns", action="store_true",
                        help="prefill and decode nodes in two network namespaces (needs root): "
                             "KV over UCX TCP, link partitions and netem")  # fmt: skip
+    on_ray = p.add_argument_group("the nodes on Ray instead (pip install pdserve[ray])")
+    on_ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="node actors placed and restarted by Ray, the proxy an actor too",
+    )
+    on_ray.add_argument(
+        "--ray-address", default=None, help="a running Ray cluster (default: start a local one)"
+    )
+    on_ray.add_argument(
+        "--ray-node-cpus", type=float, default=1.0, help="Ray CPUs each node reserves"
+    )
     target = p.add_argument_group("a running cluster, by URL")
     target.add_argument("--proxy", default=None, metavar="URL", help="its proxy (the clients')")
     target.add_argument("--prefill", action="append", default=[], metavar="URL",
@@ -102,8 +119,8 @@ class ChaosRun:
     cluster: Cluster
     lease_s: float = 3.0
     faults: list[Fault] = field(default_factory=list)
-    faulting: set[str] = field(default_factory=set)
-    """Nodes down for a fault until restarted."""
+    faulting: dict[str, str] = field(default_factory=dict)
+    """What is down or changing for a fault (a node's name, a role's scaling) → its role."""
     enabled: set[str] = field(default_factory=set)
     skipped: dict[str, str] = field(default_factory=dict)
     """Fault kinds and checks that did not run, and why."""
@@ -164,9 +181,32 @@ def _usage_problem(args: argparse.Namespace) -> str:
         return "--proxy needs the nodes behind it: --prefill URL and --decode URL (each repeatable)"
     if args.proxy and args.netns:
         return "--netns starts a local cluster in namespaces; it does not apply with --proxy"
+    if args.ray and (args.proxy or args.netns):
+        return "--ray starts the cluster on Ray; it does not apply with --proxy or --netns"
     if not args.proxy and (args.prefill or args.decode or args.reference):
         return "--prefill, --decode and --reference target a running cluster: add --proxy URL"
     return ""
+
+
+def _own_cluster(
+    args: argparse.Namespace, node_args: list[str], env: dict[str, str], bed: NamespaceBed | None
+) -> LocalCluster | RayCluster:
+    """The cluster the harness starts: processes here, or actors on Ray."""
+    if not args.ray:
+        return LocalCluster(node_args, args.num_prefill, args.num_decode, API_KEY, env, bed)
+    from pdserve.bench.chaos.ray_cluster import RayCluster  # the ray extra
+
+    if args.ray_address:  # nodes on other hosts: KV over their real interfaces
+        env = {k: v for k, v in env.items() if k != "UCX_NET_DEVICES"}
+    return RayCluster(
+        node_args,
+        args.num_prefill,
+        args.num_decode,
+        API_KEY,
+        env,
+        args.ray_address,
+        args.ray_node_cpus,
+    )
 
 
 def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
@@ -184,7 +224,7 @@ def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
                      "--num-kv-blocks", str(args.num_kv_blocks),
                      "--max-model-len", "512"]  # fmt: skip
         env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "PDSERVE_LOG_LEVEL": "WARNING"}
-        local = LocalCluster(node_args, args.num_prefill, args.num_decode, API_KEY, env, bed)
+        local = _own_cluster(args, node_args, env, bed)
         chaos = ChaosRun(args, local, lease_s=args.lease_s or 3.0)
         try:
             local.start(chaos.lease_s)
@@ -200,6 +240,8 @@ def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
             bed.clear_netem()
         except NamespaceUnavailable as e:
             chaos.skipped["netem"] = str(e)
+    if not args.ray and "scale" in wanted:
+        chaos.skipped["scale"] = "scaling needs --ray (the controller adds and removes nodes)"
     if chaos.cluster.reference_url is None:
         chaos.skipped["greedy check"] = "no --reference node to compare with"
     chaos.enabled = wanted - set(chaos.skipped)
@@ -213,7 +255,7 @@ async def _load_and_faults(
     chaos: ChaosRun, bed: NamespaceBed | None
 ) -> tuple[list[RequestRecord], Workload]:
     args, cluster = chaos.args, chaos.cluster
-    prefill_urls = [s.url for s in cluster.slots if s.role == "prefill"]
+    prefill_urls = cluster.prefill_urls  # a live list: Ray restarts change the URLs
     watcher = ReleaseWatcher(prefill_urls, cluster.node_headers, RELEASE_WATCH_S, cluster.now_s)
     workload = Workload(cluster.proxy_url, cluster.api_key, cluster.node_headers, args.seed,
                         _has_chat(cluster), args.long_prompt_tokens, cluster.now_s,
@@ -234,9 +276,14 @@ async def _load_and_faults(
             while chaos.faulting:  # see `_network_fault`
                 await asyncio.sleep(0.1)
             await _network_fault(chaos, bed, kind)
+        elif kind == "scale":  # takes a while, like a restart
+            while role in chaos.faulting.values():
+                await asyncio.sleep(0.1)
+            chaos.faulting[f"{role} scaling"] = role
+            restarts.append(asyncio.ensure_future(asyncio.to_thread(_scale, chaos, role)))
         else:  # a restart takes a while: the next fault does not wait for it
             slot = await _healthy_slot(chaos, role, rng)
-            chaos.faulting.add(slot.name)
+            chaos.faulting[slot.name] = role
             restarts.append(asyncio.ensure_future(asyncio.to_thread(_inject, chaos, slot, kind)))
     await load
     await asyncio.gather(*restarts)
@@ -246,10 +293,9 @@ async def _load_and_faults(
 async def _healthy_slot(chaos: ChaosRun, role: str, rng: random.Random) -> Slot:
     """A node of `role`, once none of that role is down for another fault: one node at a
     time per role (the others carry the load meanwhile)."""
-    slots = [s for s in chaos.cluster.slots if s.role == role]
-    while any(s.name in chaos.faulting for s in slots):
+    while role in chaos.faulting.values():
         await asyncio.sleep(0.1)
-    return rng.choice(slots)
+    return rng.choice([s for s in chaos.cluster.slots if s.role == role])
 
 
 def _plan(chaos: ChaosRun, rng: random.Random) -> list[tuple[float, str, str]]:
@@ -262,13 +308,14 @@ def _plan(chaos: ChaosRun, rng: random.Random) -> list[tuple[float, str, str]]:
         (rng.uniform(0.7, 0.8) * d, "sigterm", rng.choice(["prefill", "decode"])),
         (rng.uniform(0.27, 0.33) * d, "partition", ""),
         (rng.uniform(0.62, 0.68) * d, "netem", ""),
+        (rng.uniform(0.27, 0.33) * d, "scale", "decode"),  # up one node...
+        (rng.uniform(0.85, 0.9) * d, "scale", "decode"),  # ...and back down
     ]  # fmt: skip
     return sorted(p for p in plan if p[1] in chaos.enabled)
 
 
 def _inject(chaos: ChaosRun, slot: Slot, kind: str) -> None:
     cluster = chaos.cluster
-    assert isinstance(cluster, LocalCluster)
     chaos.counters.scrape(cluster.slots)  # its counts, before they are lost
     fault = Fault(kind, slot.name, cluster.now_s())
     if kind == "kill":
@@ -280,9 +327,25 @@ def _inject(chaos: ChaosRun, slot: Slot, kind: str) -> None:
     cluster.restart(slot)
     fault.end_s = cluster.now_s()
     chaos.faults.append(fault)
-    chaos.faulting.discard(slot.name)
+    del chaos.faulting[slot.name]
     logger.info("%s of %s: %.1f-%.1f s %s", kind, slot.name, fault.start_s, fault.end_s,
                 fault.detail)  # fmt: skip
+
+
+def _scale(chaos: ChaosRun, role: str) -> None:
+    """The first scale fault adds a node of `role`, the next takes the cluster back to its
+    starting count (the newest node leaves the proxy's pools, then drains)."""
+    cluster = chaos.cluster
+    start = getattr(chaos.args, f"num_{role}")
+    now = sum(s.role == role for s in cluster.slots)
+    target = start + 1 if now == start else start
+    chaos.counters.scrape(cluster.slots)  # a removed node's counts, before they are lost
+    fault = Fault("scale", role, cluster.now_s(), detail=f"{role} {now} -> {target}")
+    cluster.scale(role, target)
+    fault.end_s = cluster.now_s()
+    chaos.faults.append(fault)
+    del chaos.faulting[f"{role} scaling"]
+    logger.info("scaled %s: %.1f-%.1f s", fault.detail, fault.start_s, fault.end_s)
 
 
 async def _network_fault(chaos: ChaosRun, bed: NamespaceBed, kind: str) -> None:
