@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pdserve.bench.chaos.workload import RequestRecord, Workload
 
 FAULT_COLORS = {"kill": "red", "sigterm": "orange", "burst": "purple", "partition": "blue",
-                "netem": "cyan"}  # fmt: skip
+                "netem": "cyan", "scale": "green"}  # fmt: skip
 STAGE_LABELS = {
     "receiving": "at the proxy, before the request was read",
     "prefill": "on prefill: queued or running",
@@ -215,7 +215,8 @@ def _plot_kv(plt: Any, directory: Path, report: dict[str, Any], samples: list[Sa
         ax.plot([s.t_s for s in mine], [s.num_used for s in mine], label="used", lw=1)
         ax.plot([s.t_s for s in mine], [s.num_held for s in mine], label="held for P/D", lw=1)
         for f in report["faults"]:
-            if f["node"] in (name, "all") or f["kind"] in ("partition", "netem"):
+            role_wide = name.startswith(f"{f['node']}-")  # scale: every node of the role
+            if f["node"] in (name, "all") or role_wide or f["kind"] in ("partition", "netem"):
                 ax.axvspan(f["start_s"], max(f["end_s"], f["start_s"] + 0.3), alpha=0.2,
                            color=FAULT_COLORS.get(f["kind"], "gray"), label=f["kind"])  # fmt: skip
         ax.set_ylabel(f"{name}\nblocks")
