@@ -15,7 +15,8 @@ Workloads (`--workload`):
   bench/vllm_router/setup.sh installed it.
 - `short`: one request at a time, prompts of `--short-lens` tokens. TTFT p50 of a single
   node (a decode node, asked directly), of the proxy always P/D, and of the proxy with
-  selective P/D: where P/D starts to pay for its second leg.
+  selective P/D, taking turns request by request: where P/D starts to pay for its second
+  leg.
 - `overload`: the proxy with `--max-concurrency C --max-queue 0`. First its capacity:
   `C` clients back to back (requests/s, TTFT p99: the unloaded baseline); then requests
   arriving at `--overload` times that rate (Poisson) for `--overload-s` seconds. Reports
@@ -261,55 +262,62 @@ def bench_chat(nodes: Nodes, args: argparse.Namespace, words: list[str]) -> list
 
 
 async def run_short(
-    url: str, lens: list[int], n: int, texts: Texts, model: str
-) -> dict[int, float]:
-    """TTFT p50 per prompt length, one request at a time (completions, token-id prompts)."""
-    out: dict[int, float] = {}
+    urls: list[str], lens: list[int], n: int, texts: Texts, model: str
+) -> list[dict[int, float]]:
+    """TTFT p50 per prompt length for each URL, one request at a time (completions,
+    token-id prompts). The systems take turns request by request, so a shared machine's
+    drift falls on all of them alike (a first version measured them one after another and
+    saw 1.3x where turns see 0.9-1.0x)."""
+    ttfts: list[dict[int, list[float]]] = [{length: [] for length in lens} for _ in urls]
     async with httpx.AsyncClient(timeout=600) as http:
         for length in lens:
-            ttfts = []
             for _ in range(n):
-                prompt = [texts.rng.randrange(3, 300) for _ in range(length)]  # any vocab
-                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
-                        "model": model}  # fmt: skip
-                start = time.perf_counter()
-                first = None
-                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():  # to the end: the connection is reused
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter() - start
-                if first is not None:
-                    ttfts.append(first)
-            out[length] = float(np.percentile(ttfts, 50)) if ttfts else float("nan")
-    return out
+                for i, url in enumerate(urls):
+                    prompt = [texts.rng.randrange(3, 300) for _ in range(length)]  # any vocab
+                    first = await _first_token_s(http, url, prompt, model)
+                    if first is not None:
+                        ttfts[i][length].append(first)
+    return [
+        {k: float(np.percentile(v, 50)) if v else float("nan") for k, v in by_len.items()}
+        for by_len in ttfts
+    ]
+
+
+async def _first_token_s(
+    http: httpx.AsyncClient, url: str, prompt: list[int], model: str
+) -> float | None:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True, "model": model}
+    start = time.perf_counter()
+    first = None
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():  # to the end: the connection is reused
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    return first
 
 
 def bench_short(nodes: Nodes, args: argparse.Namespace, words: list[str]) -> list[dict[str, Any]]:
+    """A decode node asked directly, the proxy always P/D and the proxy with selective P/D,
+    taking turns (`run_short`): two proxies over the same nodes."""
     lens = [int(x) for x in args.short_lens.split(",") if x]
-    n = args.short_requests
-    rows = [
-        {
-            "system": "single node",
-            **_short_row(
-                asyncio.run(run_short(nodes.decode[0].url, lens, n, Texts(words, "s0"), args.model))
-            ),
-        }
+    names = [
+        "single node",
+        "proxy, always P/D",
+        f"proxy, selective P/D (<{args.disagg_min_tokens})",
     ]
-    for i, (name, flags) in enumerate(
-        [
-            ("proxy, always P/D", ["--disagg-min-tokens", "0"]),
-            (
-                f"proxy, selective P/D (<{args.disagg_min_tokens})",
-                ["--disagg-min-tokens", str(args.disagg_min_tokens)],
-            ),
-        ]
-    ):
-        with start_router("pdserve", nodes, args, *flags) as url:
-            ttft = asyncio.run(run_short(url, lens, n, Texts(words, f"s{i + 1}"), args.model))
-        rows.append({"system": name, **_short_row(ttft)})
+    always = start_router("pdserve", nodes, args, "--disagg-min-tokens", "0")
+    selective = start_router(
+        "pdserve", nodes, args, "--disagg-min-tokens", str(args.disagg_min_tokens)
+    )
+    with always as always_url, selective as selective_url:
+        urls = [nodes.decode[0].url, always_url, selective_url]
+        ttfts = asyncio.run(
+            run_short(urls, lens, args.short_requests, Texts(words, "s"), args.model)
+        )
+    rows = [{"system": name, **_short_row(t)} for name, t in zip(names, ttfts, strict=True)]
     for row in rows:
         print(f"  {json.dumps(row)}", flush=True)
-    return rows  # fmt: skip
+    return rows
 
 
 def _short_row(ttft: dict[int, float]) -> dict[str, float]:
