@@ -35,6 +35,13 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument("--input-len", type=int, default=32)
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--max-num-seqs", type=int, default=256)
+    off.add_argument(
+        "--kv-cache-memory-mib",
+        type=int,
+        default=None,
+        help="the KV cache's bytes for each system (pdserve, vLLM), the same whatever its "
+        "dtype: where memory bounds the batch (default: room for every request at once)",
+    )
     off.add_argument("--hf-batch-size", type=int, default=32)
     off.add_argument(
         "--compare",

@@ -143,7 +143,11 @@ def pdserve_runner(
 
 def kv_cache_bytes(args: argparse.Namespace, workload: Workload) -> int:
     """Room for every request's whole context at once (+25%, at least 1 GiB): pdserve's
-    budget and vLLM's (VllmRunner), so neither system preempts where the other would not."""
+    budget and vLLM's (VllmRunner), so neither system preempts where the other would not.
+    `--kv-cache-memory-mib` sets it instead: the same bytes hold twice the tokens in an
+    8-bit cache, which is what that cache buys where memory bounds the batch."""
+    if args.kv_cache_memory_mib is not None:
+        return int(args.kv_cache_memory_mib) << 20
     from pdserve.model.loader import read_arch
 
     arch = read_arch(args.model)

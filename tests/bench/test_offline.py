@@ -128,7 +128,7 @@ def test_vllm_peer_that_dies_is_a_clear_error(
     monkeypatch.setattr(offline, "VLLM_VENV", tmp_path)
     args = argparse.Namespace(
         model=str(tiny_model_dir("llama")), dtype="bfloat16", vllm_threads_bind="auto",
-        max_num_seqs=8,
+        max_num_seqs=8, kv_cache_memory_mib=None,
     )  # fmt: skip
     with pytest.raises(SystemExit, match=r"run_vllm\.py exited \(3\), no answer"):
         offline.VllmRunner(args, offline.Workload("fixed", [[1, 2]], [3]))
