@@ -107,10 +107,7 @@ def wait_healthy(
     while time.monotonic() < deadline:
         if node.process.poll() is not None:
             raise NodeError(f"node {node.url} exited with {node.process.returncode}")
-        try:
-            status = httpx.get(f"{node.url}/health", timeout=1, verify=node.verify).status_code
-        except httpx.HTTPError:
-            status = 0
+        status = health_status(node.url, node.verify)
         if status and on_status is not None:
             on_status(status)
         if status == 200:
@@ -118,6 +115,14 @@ def wait_healthy(
         time.sleep(0.05)
     node.process.kill()
     raise NodeError(f"node {node.url} did not become healthy in {timeout_s:.0f} s")
+
+
+def health_status(url: str, verify: ssl.SSLContext | bool = True) -> int:
+    """The status of `url`/health, or 0 when nothing answers within a second."""
+    try:
+        return httpx.get(f"{url}/health", timeout=1, verify=verify).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 def stop(node: Node, timeout_s: float = 30.0) -> int:

@@ -25,14 +25,22 @@ import threading
 import time
 from typing import Any
 
-import httpx
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.bench.chaos.cluster import Cluster, Slot
 from pdserve.cluster import ray_nodes
 from pdserve.config import ProxyConfig
-from pdserve.proxy.launch import Node, NodeError, free_port, launch, signal_tree, stop, wait_healthy
+from pdserve.proxy.launch import (
+    Node,
+    NodeError,
+    free_port,
+    health_status,
+    launch,
+    signal_tree,
+    stop,
+    wait_healthy,
+)
 
 NAMESPACE = "pdserve-chaos"
 """The harness's pdserve cluster on the Ray cluster (`--cluster-name` of `ray up`): it
@@ -142,7 +150,7 @@ class RayCluster(Cluster):
         _on_ray_node(row["ray_node"], [row["pid"]], signal.SIGTERM, whole=False)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if _health(row["url"]) == 0:
+            if health_status(row["url"]) == 0:
                 return 0
             time.sleep(0.1)
         return 1
@@ -154,7 +162,7 @@ class RayCluster(Cluster):
 
         def back() -> bool:
             new = slot.restarts > restarts and slot.down_since_s is None
-            return new and _health(slot.url) == 200
+            return new and health_status(slot.url) == 200
 
         while not back():
             if time.monotonic() > deadline:
@@ -192,10 +200,3 @@ def _signal(pids: list[int], sig: signal.Signals, whole: bool) -> None:
             signal_tree(pid, sig)
         else:
             os.kill(pid, sig)
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code
-    except httpx.HTTPError:
-        return 0
