@@ -37,6 +37,7 @@ from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.legs import node_legs
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import ServerShuttingDownError
+from pdserve.heap import freeze_startup_objects
 from pdserve.parent_watch import ParentWatch
 from pdserve.seams import NO_SEAMS, Seams
 from pdserve.tls import warn_if_exposed
@@ -118,6 +119,7 @@ async def run_server(
         watcher = asyncio.create_task(ParentWatch(config.parent_pid).stop_when_gone(stop, "node"))
     try:
         await client.start()
+        freeze_startup_objects()
         if legs.handoffs is not None:
             sweeper = asyncio.create_task(legs.handoffs.run_sweeper())
         state.ready = True

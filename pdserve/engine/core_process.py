@@ -37,6 +37,7 @@ from pdserve.engine.core_messages import (
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_connector import KVConnectorFactory
 from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.heap import freeze_startup_objects
 from pdserve.outputs import RequestOutput
 from pdserve.parent_watch import ParentWatch
 
@@ -81,6 +82,7 @@ def run_engine_process(
     try:
         engine = LLMEngine(config, connector_factory)
         engine.kv.pool.record_events = True  # the node's prefix index (prefix_summary.py)
+        freeze_startup_objects()
         outbox.send(pickle.dumps(_ready(engine)))
         try:
             _loop(engine, inbox, outbox, parent)

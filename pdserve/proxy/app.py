@@ -35,6 +35,7 @@ from pdserve.api.auth import bearer_matches
 from pdserve.api.errors import ERROR_HANDLERS, error_response
 from pdserve.api.openapi import openapi_document
 from pdserve.config import ProxyConfig
+from pdserve.heap import freeze_startup_objects
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.admission import Admission, AdmissionGate
 from pdserve.proxy.legs import Stage, serve_request
@@ -256,6 +257,7 @@ async def _models(state: ProxyState) -> Response:
 @contextlib.asynccontextmanager
 async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
     """The shared HTTP client and the health checks live as long as the app."""
+    freeze_startup_objects()
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
     state.http = httpx.AsyncClient(limits=limits, verify=state.node_ssl)
     pools = [state.prefill, state.decode]
