@@ -58,6 +58,7 @@ def add_parser(bench_sub: Any) -> None:
     )
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=None, help="the nodes' (default: theirs)")
     p.add_argument("--workload", choices=["chat", "short", "overload", "all"], default="all")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
@@ -97,6 +98,8 @@ def _get(url: str, path: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def start_nodes(args: argparse.Namespace) -> Iterator[Nodes]:
     common = ["--model", args.model, "--dtype", args.dtype]
+    if args.block_size is not None:
+        common += ["--block-size", str(args.block_size)]
     roles = ["prefill", "prefill", "decode", "decode"]
     nodes = [launch([*common, "--role", r], env=NODE_ENV) for r in roles]
     try:
