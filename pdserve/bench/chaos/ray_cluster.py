@@ -53,9 +53,15 @@ class RayCluster(Cluster):
     one started here), a proxy actor, and a reference node launched here."""
 
     def __init__(
-        self, node_args: list[str], num_prefill: int, num_decode: int, api_key: str,
-        env: dict[str, str], address: str | None, node_cpus: float,
-    ) -> None:  # fmt: skip
+        self,
+        node_args: list[str],
+        num_prefill: int,
+        num_decode: int,
+        api_key: str,
+        env: dict[str, str],
+        address: str | None,
+        node_cpus: float,
+    ) -> None:
         super().__init__(api_key, api_key)
         self.node_args, self.env = node_args, env
         self.counts = {"prefill": num_prefill, "decode": num_decode}
@@ -93,12 +99,17 @@ class RayCluster(Cluster):
         members = ray.get(self.controller.members.remote())
         model = self.node_args[self.node_args.index("--model") + 1]
         config = ProxyConfig(
-            prefill_urls=tuple(members["prefill"]), decode_urls=tuple(members["decode"]),
-            port=free_port(), api_key=self.api_key, node_api_key=self.api_key, model=model,
+            prefill_urls=tuple(members["prefill"]),
+            decode_urls=tuple(members["decode"]),
+            port=free_port(),
+            api_key=self.api_key,
+            node_api_key=self.api_key,
+            model=model,
             health_interval_s=0.2,
-        )  # fmt: skip
-        self._proxy = ray_nodes.start_proxy(config, self.controller)  # held: Ray ends an
-        self.proxy_url = ray.get(self._proxy.info.remote())["url"]  # actor nobody refers to
+        )
+        # Held: Ray ends an actor nobody refers to (the first version's proxy died so).
+        self._proxy = ray_nodes.start_proxy(config, self.controller)
+        self.proxy_url = ray.get(self._proxy.info.remote())["url"]
         wait_healthy(self._reference)
         self.reference_url = self._reference.url
         self.refresh()
