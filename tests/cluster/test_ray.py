@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.proxy.launch import free_port
+from pdserve.proxy.launch import free_port, health_status
 from tests.api.conftest import API_KEY
 from tests.disagg.conftest import (
     Cluster,
@@ -126,7 +126,7 @@ def ray_up_running(address: str, model: Path, env: dict[str, str]) -> Iterator[R
     ray_up = RayCluster(address, f"http://127.0.0.1:{port}", process, env)
     try:
         wait_until(
-            lambda: process.poll() is not None or _health(ray_up.proxy_url) == 200,
+            lambda: process.poll() is not None or health_status(ray_up.proxy_url) == 200,
             300,
             "pdserve ray up",
         )
@@ -138,13 +138,6 @@ def ray_up_running(address: str, model: Path, env: dict[str, str]) -> Iterator[R
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def node_idle(url: str) -> bool:
@@ -188,7 +181,7 @@ def test_a_killed_node_actor_is_restarted_and_rejoins(ray_cluster: RayCluster) -
     [restarted] = [r for r in ray_cluster.nodes() if r["role"] == "decode"]
     assert restarted["restarted"] is True
     # The old node saw its actor gone and exited; the proxy serves through the new one.
-    wait_until(lambda: _health(decode["url"]) == 0, 30, "the old decode node to exit")
+    wait_until(lambda: health_status(decode["url"]) == 0, 30, "the old decode node to exit")
     body = completion(make_prompt(30, seed=120), max_tokens=6)
     wait_until(lambda: ray_cluster.ask(body).status_code == 200, 60, "the cluster to serve")
 
@@ -215,8 +208,8 @@ def test_a_killed_proxy_actor_is_restarted_and_serves_again(ray_cluster: RayClus
     [proxy] = [r for r in ray_cluster.status() if r["role"] == "proxy"]
     assert proxy["alive"] and proxy["restarted"] is False
     os.kill(proxy["actor_pid"], signal.SIGKILL)
-    wait_until(lambda: _health(ray_cluster.proxy_url) == 0, 30, "the proxy to be gone")
-    wait_until(lambda: _health(ray_cluster.proxy_url) == 200, 180, "the proxy to be back")
+    wait_until(lambda: health_status(ray_cluster.proxy_url) == 0, 30, "the proxy to be gone")
+    wait_until(lambda: health_status(ray_cluster.proxy_url) == 200, 180, "the proxy to be back")
     [back] = [r for r in ray_cluster.status() if r["role"] == "proxy"]
     assert back["restarted"] is True and back["actor_pid"] != proxy["actor_pid"]
     body = completion(make_prompt(30, seed=125), max_tokens=6)

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.proxy.launch import health_status
 from tests.cluster.test_ray import (
     HEADERS,
     LEASE_S,
     RayCluster,
-    _health,
     node_idle,
     ray_up_running,
     wait_until,
@@ -64,7 +64,7 @@ def test_a_dead_ray_node_s_decode_node_is_restarted_elsewhere_and_rejoins(
     assert ray_up.ask(body).status_code == 200
 
     cluster.remove_node(worker, allow_graceful=False)  # the machine is gone
-    wait_until(lambda: _health(rows["decode"]["url"]) == 0, 60, "the decode node to end")
+    wait_until(lambda: health_status(rows["decode"]["url"]) == 0, 60, "the decode node to end")
     wait_until(lambda: node_idle(rows["prefill"]["url"]), LEASE_S + 5, "the prefill node idle")
     cluster.add_node(num_cpus=1, num_gpus=0)  # room for the restarted actor
     wait_until(

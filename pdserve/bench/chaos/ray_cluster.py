@@ -136,8 +136,8 @@ class RayCluster(Cluster):
                 self._rows[slot.name] = row
                 slots.append(slot)
             self.slots = slots
-            self.prefill_urls[:] = [s.url for s in slots if s.role == "prefill" and s.url
-                                    and s.down_since_s is None]  # fmt: skip
+            up = [s for s in slots if s.url and s.down_since_s is None]
+            self.prefill_urls[:] = [s.url for s in up if s.role == "prefill"]
 
     def _refresh_loop(self) -> None:
         while not self._stop_refresh.wait(0.2):
