@@ -66,7 +66,7 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--system-words", type=int, default=300, help="words per system prompt")
     p.add_argument("--message-words", type=int, default=30, help="words per user message")
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
-    p.add_argument("--disagg-min-tokens", type=int, default=64, help="for the selective-P/D rows")
+    p.add_argument("--disagg-min-tokens", type=int, default=256, help="for the selective-P/D rows")
     p.add_argument("--short-lens", default="16,32,64,128,256", help="prompt tokens, `short`")
     p.add_argument("--short-requests", type=int, default=12, help="per length and system")
     p.add_argument("--capacity", type=int, default=8, help="`overload`: --max-concurrency")
@@ -201,13 +201,14 @@ async def stream_chat(
 async def run_chat(url: str, args: argparse.Namespace, texts: Texts) -> dict[str, Any]:
     systems = [texts.passage(args.system_words) for _ in range(args.system_prompts)]
     ttfts: list[float] = []
+    by_turn: list[list[float]] = [[] for _ in range(args.turns)]
     failures = 0
 
     async def conversation(i: int, http: httpx.AsyncClient) -> None:
         nonlocal failures
         messages = [{"role": "system", "content": systems[i % len(systems)]}]
         await asyncio.sleep(0.05 * i)  # interleaved starts
-        for _ in range(args.turns):
+        for turn in range(args.turns):
             messages.append({"role": "user", "content": texts.passage(args.message_words)})
             body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
                     "stream": True, "model": args.model}  # fmt: skip
@@ -217,6 +218,7 @@ async def run_chat(url: str, args: argparse.Namespace, texts: Texts) -> dict[str
                 messages.pop()
                 continue
             ttfts.append(ttft)
+            by_turn[turn].append(ttft)
             messages.append({"role": "assistant", "content": answer})
 
     limits = httpx.Limits(max_connections=args.conversations + 4)
@@ -226,6 +228,7 @@ async def run_chat(url: str, args: argparse.Namespace, texts: Texts) -> dict[str
     return {
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else float("nan"),
         "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else float("nan"),
+        "ttft_max_s_by_turn": [max(t, default=float("nan")) for t in by_turn],
         "num_turns": len(ttfts),
         "num_failed": failures,
         "wall_s": time.perf_counter() - started,
@@ -486,6 +489,11 @@ def print_chat(rows: list[dict[str, Any]]) -> None:
             f"{base['prompt_tokens_computed'] / max(r['prompt_tokens_computed'], 1):>7.2f}x"
         )
     print("(ratios: least-loaded's TTFT p50 / the row's, and its prompt tokens / the row's)")
+    print("\nslowest TTFT (ms) by turn: " + " ".join(f"{i + 1:>6}" for i in range(len(
+        base["ttft_max_s_by_turn"]))))  # fmt: skip
+    for r in rows:
+        cells = " ".join(f"{t * 1e3:>6.0f}" for t in r["ttft_max_s_by_turn"])
+        print(f"  {r['system']:<44}{cells}")
 
 
 def print_short(rows: list[dict[str, Any]]) -> None:

@@ -5,7 +5,9 @@ Each step, `schedule()` fills a token budget:
    chunk when still prefilling; if blocks run out, the newest running request is
    preempted (its blocks freed; it goes back to the front of the waiting queue and is
    recomputed later, mostly from the prefix cache);
-2. then waiting requests, oldest first, while the budget, blocks and `max_num_seqs` allow.
+2. then waiting requests, oldest first, while the budget, blocks and `max_num_seqs` allow;
+   one whose next prompt block a running request is computing right now waits a step to
+   find it cached instead of computing it twice (`_next_block_in_progress`).
 
 After the model ran, `update_from_output()` appends the sampled tokens and finishes
 requests that hit EOS, a stop token, `max_tokens` or the context limit. Requests can be
@@ -157,11 +159,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0 and self._num_seqs < self.config.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and self._num_seqs < self.config.max_num_seqs:
+            request = self.waiting[i]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached) * self.kv.block_size
             num_remote = self.connector.get_num_remote_tokens(request, num_computed)
+            if not num_remote and self._next_block_in_progress(request, num_computed):
+                i += 1  # it waits a step for that block; those behind it may go
+                continue
             # A remote load needs blocks but no compute budget; the request runs later.
             num_new = 0 if num_remote else request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -170,7 +176,7 @@ class Scheduler:
             num_tokens = num_computed + num_remote + num_new
             if not self.kv.allocate(request.request_id, num_tokens, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if request.num_preemptions == 0 and request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
                 request.admitted_time = self.clock()
@@ -186,6 +192,24 @@ class Scheduler:
             self.connector.on_admitted(request, block_ids, 0)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _next_block_in_progress(self, request: Request, num_cached_tokens: int) -> bool:
+        """A running request is computing the prompt block after `request`'s cached prefix,
+        the same tokens: admitted now, `request` would compute that block a second time;
+        a step later it is a prefix hit. So a burst of requests sharing a system prompt
+        computes it once per node, not once per request admitted in the same step
+        (`pdserve bench routing`'s chat turns). Never a wait on a request that is not
+        computing: the one computing the block is running, so it is cached within the
+        steps its prefill takes."""
+        end = num_cached_tokens + self.kv.block_size
+        if not self.kv.pool.enable_caching or end >= request.num_tokens:
+            return False  # no cache, or the block holds the prompt's last token (no hit)
+        head = request.token_ids[:end]
+        return any(
+            other.num_computed_tokens < end <= other.num_prompt_tokens
+            and other.token_ids[:end] == head
+            for other in self.running
+        )
 
     @property
     def num_prompt_tokens_pending(self) -> int:

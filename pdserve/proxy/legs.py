@@ -217,6 +217,10 @@ async def _prefill_leg(
             payload = json.dumps(leg).encode()
             headers = _leg_headers(state, client, span)
             tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=False)
+            # Counted as cached there from now on, not from its answer: a prompt sharing
+            # this one's prefix that arrives meanwhile follows it, and the node's scheduler
+            # computes the shared blocks once (`Scheduler._next_block_in_progress`).
+            state.router.sent(backend, prompt)
             status, content = await client.unless_gone(
                 _post(backend, path, payload, headers, state.config.prefill_timeout_s, tokens)
             )
@@ -237,7 +241,6 @@ async def _prefill_leg(
         state.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - started)
         backend.record_leg(status < 500)
         if status == 200:
-            state.router.sent(backend, prompt)
             return backend, json.loads(content)
         last_error = _forward_error(status, content)
         if status < 500:

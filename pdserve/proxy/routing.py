@@ -22,6 +22,8 @@ Policies (`--routing`, or per leg `--prefill-routing` / `--decode-routing`):
   summary (`kv_cache/prefix_summary.py`, polled with the health checks), plus the blocks
   of prompts this proxy sent it lately (`Backend.remember`), hashed the same way: a
   summary is up to one poll old, and the next turn of a chat comes right after the last.
+  A prefill leg's blocks count from the moment it is sent: a burst of prompts sharing a
+  system prompt then goes to one node, whose scheduler computes the shared blocks once.
   Either way a decision costs a few hash lookups per prompt block per node.
 
 Nodes of either role are candidates only while up (`pool.py`: health hysteresis and the

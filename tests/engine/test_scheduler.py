@@ -769,3 +769,41 @@ def test_prefix_caching_disabled_recomputes_everything() -> None:
         assert request.num_cached_tokens == 0
         assert out.scheduled[0].num_new_tokens == 18
     assert_idle(scheduler)
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once() -> None:
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    first = make_request(18, max_tokens=2, request_id="first")
+    same = make_request(18, max_tokens=2, request_id="same")  # the same 16-token prefix
+    other = make_request(18, max_tokens=2, request_id="other", first_token_id=500)
+    for request in (first, same, other):
+        scheduler.add_request(request)
+    out = run_step(scheduler)
+    assert scheduled_ids(out) == ["first", "other"]  # `same` waits for first's blocks
+    out = run_step(scheduler)
+    entry = next(s for s in out.scheduled if s.request is same)
+    assert same.num_cached_tokens == 16 and entry.num_new_tokens == 2
+    run_until_done(scheduler)
+    assert scheduler.num_prompt_tokens_computed == 18 + 18 + 2
+    assert_idle(scheduler)
+
+
+def test_a_request_waits_for_a_shared_prefix_only_while_it_is_being_computed() -> None:
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=12)
+    long = make_request(20, max_tokens=2, request_id="long")  # chunks of 12 and 8
+    scheduler.add_request(long)
+    run_step(scheduler)  # long: 12 computed, 3 blocks cached
+    short = make_request(18, max_tokens=1, request_id="short")  # long's first 18 tokens
+    scheduler.add_request(short)
+    out = run_step(scheduler)  # short's 4th block is in long's last chunk: it waits
+    assert scheduled_ids(out) == ["long"]
+    out = run_step(scheduler)
+    assert short.num_cached_tokens == 16 and "short" in scheduled_ids(out)
+    run_until_done(scheduler)
+    assert_idle(scheduler)
+    # Without prefix caching there is nothing to wait for.
+    scheduler = make_scheduler(block_size=4, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(18, max_tokens=1, request_id=rid))
+    assert scheduled_ids(run_step(scheduler)) == ["a", "b"]
+    assert_idle(scheduler)
