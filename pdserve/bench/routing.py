@@ -489,8 +489,8 @@ def print_chat(rows: list[dict[str, Any]]) -> None:
             f"{base['prompt_tokens_computed'] / max(r['prompt_tokens_computed'], 1):>7.2f}x"
         )
     print("(ratios: least-loaded's TTFT p50 / the row's, and its prompt tokens / the row's)")
-    print("\nslowest TTFT (ms) by turn: " + " ".join(f"{i + 1:>6}" for i in range(len(
-        base["ttft_max_s_by_turn"]))))  # fmt: skip
+    turns = " ".join(f"{i + 1:>6}" for i in range(len(base["ttft_max_s_by_turn"])))
+    print(f"\n{'slowest TTFT (ms) by turn:':<46}{turns}")
     for r in rows:
         cells = " ".join(f"{t * 1e3:>6.0f}" for t in r["ttft_max_s_by_turn"])
         print(f"  {r['system']:<44}{cells}")
