@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.envs import force_hub_offline
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import LLMEngine
 
 Prompt = str | Sequence[int]
 """A text prompt, or token ids."""
@@ -48,8 +50,10 @@ class LLM:
     """Generate offline: `LLM("default").generate(["Hello"], SamplingParams(max_tokens=8))`."""
 
     def __init__(self, model: str = "default", **options: Any) -> None:
+        from pdserve.engine.engine import LLMEngine  # torch: not for `engine_config`'s users
+
         force_hub_offline()
-        self.engine = LLMEngine(engine_config(model=model, **options))
+        self.engine: LLMEngine = LLMEngine(engine_config(model=model, **options))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -39,8 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, Role
 from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.messages import Handshake, Outcome, ReleaseReason
@@ -62,12 +60,13 @@ from pdserve.engine.kv_connector import (
     LoadResult,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.model import kv_format
-from pdserve.model.loader import LoadedModel
 from pdserve.seams import NO_SEAMS, Seams
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +364,8 @@ class DecodeConnector(KVConnector):
 
 
 def kv_layout(loaded: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> KVLayout:
+    from pdserve.model import kv_format  # the engine process's: a node's API process has no torch
+
     arch = loaded.arch
     return KVLayout(
         model_fingerprint=model_fingerprint(loaded.model, repr(arch)),

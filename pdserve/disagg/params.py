@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.transport import TransportInfo
+
+if TYPE_CHECKING:
+    import torch
 from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec
 from pdserve.errors import InvalidRequestError
 

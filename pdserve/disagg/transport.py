@@ -32,11 +32,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pdserve.disagg.config import KVTransportKind
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -336,6 +337,8 @@ class InProcessTransport(KVTransport):
 
 def _as_block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """The tensor as raw bytes, [num_blocks, block_bytes], sharing storage."""
+    import torch  # only the engine process, which holds the cache, gets here
+
     return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
 

@@ -38,7 +38,6 @@ from pdserve.engine.core_messages import (
     Shutdown,
     StepOutputs,
 )
-from pdserve.engine.core_process import run_engine_process
 from pdserve.engine.kv_connector import (
     KVConnectorFactory,
     KVConnectorStats,
@@ -53,6 +52,14 @@ from pdserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
+
+
+def _engine_process_main(*args: Any) -> None:
+    """The engine process's entry: `run_engine_process`, imported there and only there (it
+    imports torch and the model; the API process needs neither)."""
+    from pdserve.engine.core_process import run_engine_process
+
+    run_engine_process(*args)
 
 
 class EngineDeadError(PdserveError):
@@ -105,7 +112,7 @@ class AsyncEngineClient:
         self._from_engine.bind(output_addr)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=run_engine_process,
+            target=_engine_process_main,
             args=(self.config, self.connector_factory, input_addr, output_addr),
             name="pdserve-engine",
             daemon=True,

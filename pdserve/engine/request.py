@@ -19,11 +19,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.kv_connector import KVTransferSpec
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -121,6 +123,8 @@ class Request:
         self.finished_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            import torch  # here: the API process makes no Request and never imports torch
+
             self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
