@@ -225,7 +225,7 @@ def add_parent_pid_arg(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The command line. Without `with_bench`, `bench` is there by name only: the benchmarks'
-    options import their modules, and with them torch (1.4 s of CPU and ~300 MB in every
+    options import their modules, and with them torch (~1.4 s of CPU and ~200 MB in every
     proxy and node API process, which need neither)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

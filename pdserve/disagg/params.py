@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.transport import TransportInfo
+from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec
+from pdserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
-from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec
-from pdserve.errors import InvalidRequestError
 
 
 class KVTransferParams(BaseModel):
