@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ import httpx
 import torch
 
 from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
+from pdserve.proxy.launch import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +46,6 @@ def llama_server_binary() -> Path | None:
     binary = LLAMA_SERVER_DIR / "bin" / "llama-server"
     built = any(LLAMA_SERVER_DIR.glob(".llama-server-*-built"))
     return binary if built and binary.exists() else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LlamaServerRunner:

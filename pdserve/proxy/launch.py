@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -43,10 +44,36 @@ class Node:
     """How its certificate is checked when it serves HTTPS (`launch`'s `tls`)."""
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICKED = 10_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing holds now, for a server about to bind it.
+
+    Picked below the kernel's ephemeral range when there is room. The kernel hands out
+    ports from that range on its own: every outgoing connection's source port, every bind
+    to port 0 (UCX's listeners). One of those could take a port picked there in the second
+    before the server binds it; CI lost a run to that ("address already in use").
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(_LOWEST_PICKED, low) if low > _LOWEST_PICKED else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise NodeError(f"no free port on {host}")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range; 0 where it cannot be read."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def launch(

@@ -32,6 +32,7 @@ from pdserve.bench.serve import (
 )
 from pdserve.cli import main
 from pdserve.errors import ConfigError
+from pdserve.proxy.launch import free_port
 
 CHUNK_SLEEP_S = 0.01
 MODEL_ID = "fake-model"
@@ -327,12 +328,6 @@ def test_error_chunk_mid_stream_is_a_failure(
     out = capsys.readouterr().out
     assert report_value(out, "Successful requests:") == "0"
     assert "HTTP 200 x4: engine died" in out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,47 @@
+"""free_port: a port for a server about to start, out of the kernel's way."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from pdserve.proxy import launch
+
+
+def _range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> None:
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text)
+    monkeypatch.setattr(launch, "_EPHEMERAL_RANGE", path)
+
+
+def test_free_ports_come_from_below_the_kernel_s_ephemeral_range(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _range(monkeypatch, tmp_path, "40000\t60999\n")
+    ports = {launch.free_port() for _ in range(50)}
+    assert all(10_000 <= p < 40_000 for p in ports)
+    assert len(ports) > 1  # picked at random, so two launches rarely try the same one
+
+
+def test_a_port_something_holds_is_never_picked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        held.listen()
+        _range(monkeypatch, tmp_path, f"{port + 1} 60999")
+        monkeypatch.setattr(launch, "_LOWEST_PICKED", port)  # the only candidate is held
+        with pytest.raises(launch.NodeError, match="no free port"):
+            launch.free_port()
+
+
+@pytest.mark.parametrize("text", ["1024 65535", "not a range", ""])
+def test_without_room_below_the_range_the_kernel_picks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str
+) -> None:
+    _range(monkeypatch, tmp_path, text)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", launch.free_port()))  # free, and bindable
