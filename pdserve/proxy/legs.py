@@ -220,12 +220,13 @@ async def _prefill_leg(
             # Counted as cached there from now on, not from its answer: a prompt sharing
             # this one's prefix that arrives meanwhile follows it, and the node's scheduler
             # computes the shared blocks once (`Scheduler._next_block_in_progress`).
-            state.router.sent(backend, prompt)
+            sent = state.router.sent(backend, prompt)
             status, content = await client.unless_gone(
                 _post(backend, path, payload, headers, state.config.prefill_timeout_s, tokens)
             )
             span.set("http.response.status_code", status)
         except (ClientGone, UpstreamError) as e:
+            state.router.failed(backend, sent)
             if not isinstance(e, Unreachable):  # it may have reached the node: let it go
                 state.spawn(release(state, backend, client.request_id, token))
             if isinstance(e, ClientGone):
@@ -242,6 +243,7 @@ async def _prefill_leg(
         backend.record_leg(status < 500)
         if status == 200:
             return backend, json.loads(content)
+        state.router.failed(backend, sent)
         last_error = _forward_error(status, content)
         if status < 500:
             break  # the request itself is at fault: another node would say the same

@@ -30,7 +30,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -159,13 +159,27 @@ class Backend:
         if self.breaker.record(ok):
             logger.warning("%s node %s: circuit open after failed legs", self.role, self.url)
 
-    def remember(self, chain: Sequence[bytes], now_s: float) -> None:
-        """A prompt with these block-hash cuts (`prompt_chain`) was sent to the node."""
+    def remember(self, chain: Sequence[bytes], now_s: float) -> dict[bytes, float | None]:
+        """A prompt with these block-hash cuts (`prompt_chain`) was sent to the node.
+        Returns when each cut was last sent before, for `forget`."""
+        before = {cut: self._recent.get(cut) for cut in chain}
         for cut in chain:
             self._recent[cut] = now_s
             self._recent.move_to_end(cut)
         while len(self._recent) > NUM_RECENT_BLOCKS_KEPT:
             self._recent.popitem(last=False)
+        return before
+
+    def forget(self, before: Mapping[bytes, float | None], sent_s: float) -> None:
+        """The prompt `remember`ed at `sent_s` never reached the node's cache: each cut no
+        later prompt was sent with counts from its earlier send again, or not at all."""
+        for cut, when in before.items():
+            if self._recent.get(cut) != sent_s:
+                continue
+            if when is None:
+                del self._recent[cut]
+            else:
+                self._recent[cut] = when
 
     def sent_since(self, cut: bytes, since_s: float) -> bool:
         """A prompt with this block went to the node at or after `since_s`."""

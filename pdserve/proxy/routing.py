@@ -36,7 +36,7 @@ import argparse
 import itertools
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,11 +158,27 @@ class Router:
         uncached = prompt.num_tokens - num_cached_tokens(decode, prompt)
         return uncached < self.disagg_min_tokens
 
-    def sent(self, backend: Backend, prompt: Prompt | None) -> None:
+    def sent(self, backend: Backend, prompt: Prompt | None) -> Sent:
         """`backend` will cache `prompt`'s full blocks: count them until its summary does
         (from its first summary on: before it, the node's block size is unknown)."""
-        if prompt is not None and backend.cached.version >= 0:
-            backend.remember(prompt.chain(backend.cached.block_size), time.monotonic())
+        now = time.monotonic()
+        if prompt is None or backend.cached.version < 0:
+            return Sent(now, {})
+        return Sent(now, backend.remember(prompt.chain(backend.cached.block_size), now))
+
+    def failed(self, backend: Backend, sent: Sent) -> None:
+        """The leg `sent` failed: its blocks count as cached on `backend` only once its
+        summary (or another leg) says so."""
+        backend.forget(sent.before, sent.at_s)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A leg's prompt as `Router.sent` counted it, to take back if the leg fails."""
+
+    at_s: float
+    before: Mapping[bytes, float | None]
+    """When each of its blocks was last sent to the node before, if ever."""
 
 
 def make_router(config: ProxyConfig) -> Router:

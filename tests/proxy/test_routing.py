@@ -107,6 +107,23 @@ def test_a_prompt_sent_counts_as_cached_before_the_summary_says_so() -> None:
     assert router.choose(pool, Prompt([*SYSTEM, 5, 6, 7, 8])) is b
 
 
+def test_a_failed_leg_s_blocks_count_as_they_did_before_it_was_sent() -> None:
+    from pdserve.proxy.routing import num_cached_tokens
+
+    router, pool = make_router(), make_pool()
+    b = pool.backends[1]
+    first, second, third = (Prompt([*SYSTEM, t, t, t, t]) for t in (1, 2, 3))
+    router.sent(b, first)
+    lost = router.sent(b, second)
+    later = router.sent(b, third)
+    router.failed(b, lost)  # the system prompt's blocks: a later leg was sent with them
+    assert num_cached_tokens(b, Prompt([*SYSTEM, 2, 2, 2, 2, 0])) == 32  # its own: gone
+    assert num_cached_tokens(b, Prompt([*SYSTEM, 3, 3, 3, 3, 0])) == 36
+    router.failed(b, later)  # ... and failed too: the first leg's send vouches for them
+    assert num_cached_tokens(b, Prompt([*SYSTEM, 3, 3, 3, 3, 0])) == 32
+    assert num_cached_tokens(b, Prompt([*SYSTEM, 1, 1, 1, 1, 0])) == 36
+
+
 def test_selective_pd_runs_short_or_cached_prompts_whole_on_the_decode_node() -> None:
     router, pool = make_router(min_tokens=16), make_pool()
     a, b = pool.backends
