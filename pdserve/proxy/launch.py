@@ -45,7 +45,8 @@ class Node:
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST_PICKED = 10_000
+_LOWEST_PICKED = 20_000
+"""Above the ports Ray keeps for its workers (10002-19999 by default)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
