@@ -154,7 +154,12 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # An empty table, not nn.Embedding's random one: its normal_() on the meta device
+        # (`build_model`) runs a Python reference that imports torch._dynamo, 1-2 s of
+        # every engine start. The weights are loaded over it anyway.
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(arch.vocab_size, arch.hidden_size), freeze=False
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = Rotary(arch, max_positions)

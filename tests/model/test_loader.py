@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,20 @@ def test_dummy_weights_use_the_config_shape_and_generate(tiny_model_dir: Any) ->
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, seed=1))
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.loaded.arch.num_layers == 2
+
+
+def test_loading_a_model_imports_neither_torch_dynamo_nor_sympy(tiny_model_dir: Any) -> None:
+    """Both came in through random init and `to_empty` on meta tensors: 2-3 s of every
+    engine start, twice a node's whole start-up on the tiny model."""
+    code = (
+        "import sys; from pdserve import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir('llama'))!r}, dtype='float32', num_blocks=16)\n"
+        "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_dummy_default_model_keeps_tokenizer() -> None:
