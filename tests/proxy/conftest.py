@@ -86,13 +86,16 @@ def proxy_for() -> Iterator[Any]:
 @dataclass
 class Stub:
     """A node that answers every completion with `status` and `body` (after `delay_s`), and
-    /health with 200. `calls` records the bodies it received."""
+    /health with 200. `calls` records the bodies it received. With a `summary`, it serves
+    that as its prefix cache (`num_summaries`: how many times it did)."""
 
     url: str = ""
     status: int = 200
     body: dict[str, Any] = field(default_factory=dict)
     delay_s: float = 0.0
     calls: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    num_summaries: int = 0
 
 
 @pytest.fixture
@@ -108,11 +111,18 @@ def stub() -> Iterator[Stub]:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def prefix_cache(request: Request) -> Response:
+        if state.summary is None:
+            return JSONResponse({}, status_code=404)
+        state.num_summaries += 1
+        return JSONResponse(state.summary)
+
     app = Starlette(
         routes=[
             Route("/v1/completions", completion, methods=["POST"]),
             Route("/v1/chat/completions", completion, methods=["POST"]),
             Route("/health", health),
+            Route("/admin/prefix_cache", prefix_cache),
             Route("/v1/abort_requests", health, methods=["POST"]),
         ]
     )

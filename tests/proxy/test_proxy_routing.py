@@ -1,6 +1,7 @@
 """The proxy's routing end to end on real P/D nodes (tiny model, token-id prompts): prefix
 summaries polled, selective P/D (short prompts and prompts the decode node holds run whole
-there, with the single node's answer), and overload answered 429."""
+there, with the single node's answer), a failed prefill leg's prompt no longer counted as
+cached on its node, and overload answered 429."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from tests.disagg.conftest import (
+    BLOCK_SIZE,
     Cluster,
     completion,
     kv_state,
@@ -21,6 +23,7 @@ from tests.disagg.conftest import (
     token_ids,
     wait_idle,
 )
+from tests.proxy.conftest import Stub
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +60,32 @@ def test_short_and_held_prompts_run_whole_on_the_decode_node(
     assert token_ids(answer) == token_ids(post(cluster.single, "/v1/completions", turn).json())
     assert metric(proxy, paths + '{path="decode_only"}') == 2
     assert computed(cluster.decode) - decode_before == 90 - 80  # only the new tokens
+    wait_idle(cluster.prefill, 3.0)
+    wait_idle(cluster.decode, 3.0)
+
+
+def test_a_failed_prefill_leg_does_not_draw_the_next_prompt_to_its_node(
+    cluster: Cluster, proxy_for: Any, stub: Stub
+) -> None:
+    """The stub fails every leg. Nothing is cached anywhere, so the first prompt tries the
+    first node, the stub, then the real one. The proxy counted the prompt as cached on the
+    stub when it sent the leg; the failure takes that back, so a longer prompt sharing it
+    goes straight to the node that holds it (it went to the stub again before)."""
+    stub.status, stub.body = 500, {"error": {"message": "broken", "type": "server_error"}}
+    stub.summary = {"block_size": BLOCK_SIZE, "version": 0, "num_hashes": 0, "hashes": ""}
+    proxy = proxy_for(
+        [stub.url, cluster.prefill.url], [cluster.decode.url], "--model", str(cluster.model)
+    )
+    deadline = time.monotonic() + 10
+    while stub.num_summaries < 2:  # the first one taken: its block size is known
+        assert time.monotonic() < deadline, "the proxy never polled the stub's summary"
+        time.sleep(0.05)
+    history = make_prompt(80, seed=70)
+    first = post(proxy, "/v1/completions", completion(history, max_tokens=2))
+    assert first.status_code == 200 and len(stub.calls) == 1
+    turn = completion([*history, *make_prompt(20, seed=71)], max_tokens=2)
+    assert post(proxy, "/v1/completions", turn).status_code == 200
+    assert len(stub.calls) == 1
     wait_idle(cluster.prefill, 3.0)
     wait_idle(cluster.decode, 3.0)
 
