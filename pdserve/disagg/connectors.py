@@ -17,6 +17,11 @@ Decode node (`DecodeConnector`), for a request carrying `RemotePrefill`:
                 ▼
               ENDED ──▶ LoadResult to the scheduler (ok / recompute / error)
 
+What is read: the KV of every prompt position, and the request continues from the token the
+prefill leg sampled (`RemotePrefill.first_token`), so it computes exactly what one node
+computes (design §8). Without that token (a vLLM prefill node), the last prompt position is
+left out of the read and recomputed here, as vLLM's decode does.
+
     aborted while PENDING: release the handoff, free the blocks at once (S5).
     aborted while LOADING: blocks stay held until the read has ended, then freed (S6).
 
@@ -58,6 +63,7 @@ from pdserve.engine.kv_connector import (
     KVConnectorFactory,
     KVConnectorStats,
     LoadResult,
+    RemoteToken,
 )
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.seams import NO_SEAMS, Seams
@@ -120,6 +126,8 @@ class _Load:
     result: LoadResult | None = None
     remote_block_ids: list[int] = field(default_factory=list)
     local_block_ids: list[int] = field(default_factory=list)
+    next_token: RemoteToken | None = None
+    """Set at admission when the whole prompt is read: the request continues from it."""
 
 
 class DecodeConnector(KVConnector):
@@ -129,6 +137,7 @@ class DecodeConnector(KVConnector):
         control: ControlClient,
         layout: KVLayout,
         block_size: int,
+        vocab_size: int,
         fail_on_load_error: bool = False,
         seams: Seams = NO_SEAMS,
     ) -> None:
@@ -136,6 +145,7 @@ class DecodeConnector(KVConnector):
         self.control = control
         self.layout = layout
         self.block_size = block_size
+        self.vocab_size = vocab_size
         self.fail_on_load_error = fail_on_load_error
         self.seams = seams
         self._loads: dict[str, _Load] = {}
@@ -165,9 +175,25 @@ class DecodeConnector(KVConnector):
             return 0
         if load.remote.num_tokens != request.num_prompt_tokens:
             return 0  # not this prompt's KV: recompute (on_admitted releases the handoff)
-        # The last prompt position is always recomputed here: its logits give the first
-        # output token (as in vLLM), so only the KV before it is loaded.
+        if self._first_token(load, request) is not None:
+            # Every prompt position's KV, then the prefill leg's token: the numbers one
+            # node computes, in any dtype.
+            return request.num_prompt_tokens - num_local_tokens
+        # No usable first token (a vLLM prefill node): the last prompt position is
+        # recomputed here and its logits give the first output token, as in vLLM.
         return max(0, request.num_prompt_tokens - 1 - num_local_tokens)
+
+    def _first_token(self, load: _Load, request: Request) -> RemoteToken | None:
+        """The prefill leg's token, if this request can continue from it: a token of this
+        model (the params come from clients: another is never embedded), with the logprob
+        entry the request asks for."""
+        token = load.remote.first_token
+        if token is None or not 0 <= token.token_id < self.vocab_size:
+            return None
+        wanted = request.params.logprobs
+        if wanted is not None and (token.logprob is None or len(token.logprob.top) < wanted):
+            return None
+        return token
 
     def on_admitted(self, request: Request, block_ids: Sequence[int], num_remote: int) -> None:
         with self._lock:
@@ -182,6 +208,7 @@ class DecodeConnector(KVConnector):
             last = -(-(request.num_computed_tokens + num_remote) // self.block_size)
             load.remote_block_ids = list(load.remote.block_ids[first:last])
             load.local_block_ids = list(block_ids[first:last])
+            load.next_token = self._first_token(load, request)
             load.state = LoadState.LOADING
         self._workers.submit(self._run_load, load)
 
@@ -279,7 +306,7 @@ class DecodeConnector(KVConnector):
             logger.warning("could not report the read of %s: %s", ref.handoff_id, e)
         if not read.ok:
             return self._failure(load, f"KV read failed: {read.error}")
-        return LoadResult(load.request_id, ok=True)
+        return LoadResult(load.request_id, ok=True, next_token=load.next_token)
 
     def _read(self, load: _Load, peer: Handshake, budget_s: float) -> ReadResult:
         if budget_s <= 0:
@@ -398,6 +425,7 @@ class PDConnectorFactory:
             ControlClient(kv.cluster_secret, kv.tls),
             layout,
             block_size,
+            loaded.arch.vocab_size,
             fail_on_load_error=kv.kv_load_failure is KVLoadFailurePolicy.FAIL,
             seams=self.seams,
         )

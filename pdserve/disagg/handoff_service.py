@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable
 from pdserve.disagg.messages import AbortOutcome, Handshake, Outcome, ReleaseReason
-from pdserve.disagg.params import KVTransferParams, NodeKVInfo
+from pdserve.disagg.params import KVTransferParams, NodeKVInfo, first_token_params
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import StatusError
 from pdserve.outputs import RequestOutput
@@ -98,7 +98,6 @@ class HandoffService:
         await self.client.free_held([handoff.request_id])
 
     def transfer_params(self, handoff: Handoff, output: RequestOutput) -> KVTransferParams:
-        tokens = output.outputs[0].token_ids if output.outputs else []
         return KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -111,7 +110,7 @@ class HandoffService:
             epoch=self.table.epoch,
             release_token=handoff.release_token,
             lease_s=self.table.lease_s,
-            first_token_id=tokens[0] if tokens else None,
+            **first_token_params(output),
         )
 
     # -- control messages ------------------------------------------------------------

@@ -146,18 +146,16 @@ class NodeLegs:
         client_request_id: str,
     ) -> Response:
         """One token, then the prompt's KV stays pinned under a new handoff whose params
-        the answer carries. EOS and stop strings are ignored: the leg exists for its KV
-        (S18)."""
+        the answer carries, with that token: the decode node continues from it. So it is
+        sampled exactly as one node would sample the request's first token (`min_tokens`
+        still masks EOS and the stop token ids), but nothing ends the leg before it holds
+        its KV: EOS and stop strings are ignored (S18)."""
         service = self.handoffs
         if service is None:  # unreachable: `parse` takes prefill legs on prefill nodes only
             raise InvalidRequestError("not a prefill node", param="kv_transfer_params")
+        params = builder.params
         builder.params = replace(
-            builder.params,
-            max_tokens=1,
-            min_tokens=0,
-            ignore_eos=True,
-            stop=(),
-            stop_token_ids=(),
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), ignore_eos=True, stop=()
         )
         handoff = service.begin(builder.request_id, client_request_id, kv.release_token)
         outputs = self.metrics.track(

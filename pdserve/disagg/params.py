@@ -8,7 +8,8 @@ ride on the request for the KV connector:
 
     prefill leg  {"do_remote_decode": true[, "release_token"]} → RemoteDecode
     its answer   {"do_remote_prefill": true, "remote_*": …,
-                  "epoch", "release_token", "lease_s", …}      (built by the prefill node)
+                  "epoch", "release_token", "lease_s",
+                  "first_token_id"[, "first_token_logprobs"]}  (built by the prefill node)
     decode leg   that answer, passed through by the proxy      → RemotePrefill
 """
 
@@ -22,11 +23,24 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.transport import TransportInfo
-from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec
+from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec, RemoteToken
+from pdserve.engine.request import TokenLogprob
 from pdserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
+
+    from pdserve.outputs import RequestOutput
+
+
+class FirstTokenLogprobs(BaseModel):
+    """The prefill leg's logprob entry for its token: its logprob, and the top-n
+    (token id, logprob) pairs, as the sampler computed them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class KVTransferParams(BaseModel):
@@ -47,8 +61,12 @@ class KVTransferParams(BaseModel):
     release_token: str | None = None
     lease_s: float | None = None
     first_token_id: int | None = None
-    """The token the prefill leg sampled (informational: the decode node samples its own
-    first token after recomputing the last prompt position, as vLLM's does)."""
+    """The token the prefill leg sampled. A pdserve decode node continues from it over the
+    KV of every prompt position, so P/D computes exactly what one node computes (a node
+    recomputing the last position instead, as vLLM's decode does, rounds it differently
+    in bf16). Absent (a vLLM prefill node): the decode node recomputes that position."""
+    first_token_logprobs: FirstTokenLogprobs | None = None
+    """The first token's logprob entry, when the prefill leg asked for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,8 @@ class RemotePrefill(KVTransferSpec):
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_s: float
+    first_token: RemoteToken | None = None
+    """The token the prefill leg sampled after the prompt (`first_token_id`), if sent."""
 
 
 def remote_prefill_from(params: KVTransferParams, scheme: str = "http") -> RemotePrefill:
@@ -130,7 +150,32 @@ def remote_prefill_from(params: KVTransferParams, scheme: str = "http") -> Remot
         block_ids=tuple(params.remote_block_ids),
         num_tokens=params.remote_num_tokens,
         lease_s=params.lease_s or KVTransferConfig.lease_s,
+        first_token=_first_token(params),
     )
+
+
+def _first_token(params: KVTransferParams) -> RemoteToken | None:
+    """The prefill leg's token as sent; the decode node's connector checks that it is a
+    token of its model (else it recomputes the last prompt position instead)."""
+    if params.first_token_id is None:
+        return None
+    entry = params.first_token_logprobs
+    logprob = None
+    if entry is not None:
+        logprob = TokenLogprob(params.first_token_id, entry.logprob, list(entry.top))
+    return RemoteToken(params.first_token_id, logprob)
+
+
+def first_token_params(output: RequestOutput) -> dict[str, Any]:
+    """A prefill leg's sampled token (and its logprob entry) for its answer's params."""
+    completion = output.outputs[0] if output.outputs else None
+    if completion is None or not completion.token_ids:
+        return {}
+    fields: dict[str, Any] = {"first_token_id": completion.token_ids[0]}
+    if completion.logprobs:
+        entry = completion.logprobs[0]
+        fields["first_token_logprobs"] = FirstTokenLogprobs(logprob=entry.logprob, top=entry.top)
+    return fields
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,10 @@ class LLMEngine:
         return outputs
 
     def tick(self) -> list[RequestOutput]:
-        """No model step: apply the KV connector's news (loads ended, blocks releasable)."""
-        outputs, _ = self.outputs.update(self.scheduler.tick())
+        """No model step: apply the KV connector's news (loads ended, possibly with a remote
+        first token; blocks releasable)."""
+        outputs, stopped = self.outputs.update(self.scheduler.tick())
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     # -- helpers -------------------------------------------------------------------

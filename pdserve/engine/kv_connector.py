@@ -13,7 +13,8 @@ The life of a request whose prompt KV comes from elsewhere (a decode node's requ
     add_request ─▶ on_request_added        (connector may start side work, e.g. lease renewals)
     admission   ─▶ get_num_remote_tokens   (>0: blocks are allocated for them, and)
                 ─▶ on_admitted             (the connector starts filling those blocks)
-    each step   ─▶ on_step_finished        (reports loads that ended → the request runs)
+    each step   ─▶ on_step_finished        (reports loads that ended → the request runs,
+                                             from the remote node's next token if it sent one)
     end         ─▶ on_request_finished     (True: keep the blocks, e.g. a read still lands)
 """
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.request import Request
+    from pdserve.engine.request import Request, TokenLogprob
     from pdserve.engine.scheduler import SchedulerOutput
     from pdserve.model.loader import LoadedModel
 
@@ -59,6 +60,18 @@ class KVConnectorStats:
 
 
 @dataclass(frozen=True)
+class RemoteToken:
+    """A token another node sampled right after the tokens whose KV was loaded: a prefill
+    node's first output token, sampled from the logits of the very prefill that computed
+    the KV. The request continues from it instead of recomputing its last prompt position
+    in another kernel shape (which rounds differently in bf16 and can flip a near-tie)."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+    """Its logprob entry, for a request that asked for logprobs."""
+
+
+@dataclass(frozen=True)
 class LoadResult:
     """A remote load ended (the destination blocks are no longer being written)."""
 
@@ -68,6 +81,9 @@ class LoadResult:
     unless `error` is set."""
     error: str | None = None
     """Set: the request fails with this message instead of recomputing."""
+    next_token: RemoteToken | None = None
+    """With `ok`: the KV of every known token was loaded and this is the next token, as if
+    the request had sampled it here (the scheduler appends it; no step computes it)."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.engine.kv_connector import KVTransferSpec
+from pdserve.engine.kv_connector import KVTransferSpec, RemoteToken
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -126,6 +126,18 @@ class Request:
             import torch  # here: the API process makes no Request and never imports torch
 
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.num_remote_draws = 0
+        """Draws another node made from this request's seed (its first token), which the
+        sampler skips on `generator` before its own draw, so the draws that follow are the
+        ones a single node would make."""
+
+    def accept_remote_token(self, token: RemoteToken) -> None:
+        """The node the prompt's KV came from sampled this request's next token (the
+        scheduler appends it): keep its logprob entry and account for its draw."""
+        if self.params.logprobs is not None and token.logprob is not None:
+            self.logprobs.append(token.logprob)
+        if not self.params.greedy:
+            self.num_remote_draws += 1
 
     @property
     def num_tokens(self) -> int:

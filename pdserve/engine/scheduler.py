@@ -261,16 +261,21 @@ class Scheduler:
             )
             if token is None:
                 continue
-            request.token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = self.clock()
+            self._append_token(request, token)
             updated.append(request)
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
         updated.extend(self._apply(self.connector.on_step_finished(output)))
         return updated
+
+    def _append_token(self, request: Request, token: int) -> None:
+        """A running request's next token (sampled here, or by the node its KV came from);
+        finishes it on a stop condition."""
+        request.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = self.clock()
+        status = self._stop_status(request, token)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
@@ -306,8 +311,9 @@ class Scheduler:
         return freed
 
     def _apply(self, events: ConnectorEvents) -> list[Request]:
-        """Apply the connector's news; returns requests that failed (they need an output)."""
-        failed = []
+        """Apply the connector's news; returns the requests that need an output: failed
+        ones, and loaded ones that got their next token from the remote node."""
+        updated = []
         for result in events.loads_finished:
             request, num_loaded = self.loading.pop(result.request_id, (None, 0))
             if request is None:  # aborted meanwhile: its blocks are held until the read ended
@@ -316,16 +322,21 @@ class Scheduler:
             if result.error is not None:
                 request.error = result.error
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                failed.append(request)
+                updated.append(request)
                 continue
-            if result.ok:
-                request.num_computed_tokens = num_loaded
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if result.ok:
+                request.num_computed_tokens = num_loaded
+                self.kv.cache_full_blocks(request.request_id, request.token_ids, num_loaded)
+            if result.ok and result.next_token is not None:
+                request.accept_remote_token(result.next_token)
+                self._append_token(request, result.next_token.token_id)
+                updated.append(request)
         self.release_held(events.releasable)
-        return failed
+        return updated
 
     def tick(self) -> list[Request]:
         """Between steps (idle, or after control messages): apply the connector's news.
-        Returns requests that failed."""
+        Returns the requests that need an output."""
         return self._apply(self.connector.on_step_finished(SchedulerOutput((), 0)))

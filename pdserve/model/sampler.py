@@ -113,7 +113,11 @@ def _exponential_noise(
 ) -> torch.Tensor:
     noise = torch.empty(shape, dtype=torch.float32)
     for i, r in enumerate(requests):
-        noise[i].exponential_(generator=r.generator or generator)
+        own = r.generator or generator
+        for _ in range(r.num_remote_draws):  # made on the prefill node: same shape, skipped
+            noise[i].exponential_(generator=own)
+        r.num_remote_draws = 0
+        noise[i].exponential_(generator=own)
     return noise
 
 

@@ -30,8 +30,14 @@ from pdserve.disagg.control import ControlClient, ControlError, Handshake
 from pdserve.disagg.messages import Outcome, ReleaseReason
 from pdserve.disagg.params import HandoffRef, KVLayout, RemoteDecode, RemotePrefill
 from pdserve.disagg.transport import InProcessTransport
-from pdserve.engine.kv_connector import NO_EVENTS, ConnectorEvents, KVTransferSpec, LoadResult
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.kv_connector import (
+    NO_EVENTS,
+    ConnectorEvents,
+    KVTransferSpec,
+    LoadResult,
+    RemoteToken,
+)
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.sampling_params import SamplingParams
@@ -45,6 +51,11 @@ REMOTE_BLOCK_IDS = (9, 3, 12, 5, 7)
 EPOCH = "epoch-1"
 DEADLINE_S = 2.0
 SAMPLED_TOKEN = 7
+"""What `run_step` samples for every request."""
+PREFILL_TOKEN = 42
+"""What the prefill leg sampled, in params that carry it (`with_first_token`)."""
+EOS = 2
+VOCAB_SIZE = 1000
 EMPTY_STEP = SchedulerOutput((), 0)
 ABORTED = RequestStatus.FINISHED_ABORTED
 
@@ -162,15 +173,24 @@ def make_remote(
     )
 
 
+def with_first_token(
+    remote: RemotePrefill, token_id: int = PREFILL_TOKEN, logprob: TokenLogprob | None = None
+) -> RemotePrefill:
+    """The params of a pdserve prefill leg: its sampled token rides along."""
+    return replace(remote, first_token=RemoteToken(token_id, logprob))
+
+
 def make_request(
     num_prompt_tokens: int,
     remote: RemotePrefill | None,
     request_id: str = "r0",
     max_tokens: int = 2,
     first_token_id: int = 100,
+    **params: Any,
 ) -> Request:
     prompt = list(range(first_token_id, first_token_id + num_prompt_tokens))
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), kv_transfer=remote)
+    sampling = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(request_id, prompt, sampling, eos_token_ids=(EOS,), kv_transfer=remote)
 
 
 def make_scheduler(connector: DecodeConnector, num_blocks: int = NUM_BLOCKS) -> Scheduler:
@@ -216,6 +236,7 @@ def make_node() -> Iterator[Callable[..., DecodeNode]]:
             cast(ControlClient, fake),
             make_layout(),
             BLOCK_SIZE,
+            VOCAB_SIZE,
             fail_on_load_error=fail_on_load_error,
         )
         node = DecodeNode(prefill, decode, fake, connector)
@@ -350,6 +371,97 @@ def test_load_renews_while_pending_then_claims_reads_and_runs_from_the_last_posi
     assert request.status is RequestStatus.FINISHED_LENGTH
     assert request.output_token_ids == [SAMPLED_TOKEN] * 2
     assert_idle(scheduler)
+
+
+def test_a_load_with_the_prefill_leg_s_token_reads_every_position_and_continues_from_it(
+    make_node: Callable[..., DecodeNode],
+) -> None:
+    """Design §8: the decode node recomputes no prompt position (another kernel shape than
+    the prefill's, which rounds differently in bf16); it decodes on from the prefill leg's
+    token, over KV computed once."""
+    node = make_node()
+    scheduler = make_scheduler(node.connector)
+    request = make_request(9, with_first_token(make_remote(9)), max_tokens=3)
+
+    local = admit_for_load(scheduler, request)
+    assert len(local) == 3  # 9 tokens: blocks [0, ceil(9 / 4)), the partial last one too
+    assert wait_load_ended(scheduler, request) == [request]  # an output: its first token
+    node.assert_loaded(local, REMOTE_BLOCK_IDS[:3])
+    assert request.output_token_ids == [PREFILL_TOKEN]
+    assert request.num_computed_tokens == 9
+    assert request.first_token_time is not None
+
+    assert shape(run_step(scheduler)) == [("r0", 9, 1)]  # decodes the prefill leg's token
+    run_until_done(scheduler)
+    assert request.output_token_ids == [PREFILL_TOKEN, SAMPLED_TOKEN, SAMPLED_TOKEN]
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert_idle(scheduler)
+
+
+@pytest.mark.parametrize(
+    ("first_token", "params", "status"),
+    [
+        (PREFILL_TOKEN, {"max_tokens": 1}, RequestStatus.FINISHED_LENGTH),
+        (EOS, {}, RequestStatus.FINISHED_STOPPED),
+        (PREFILL_TOKEN, {"stop_token_ids": [PREFILL_TOKEN]}, RequestStatus.FINISHED_STOPPED),
+    ],
+)
+def test_a_prefill_leg_s_token_that_ends_the_request_ends_it_without_a_step(
+    make_node: Callable[..., DecodeNode],
+    first_token: int,
+    params: dict[str, Any],
+    status: RequestStatus,
+) -> None:
+    """S18 on the decode side: the stop conditions apply to the remote token as to one
+    sampled here."""
+    node = make_node()
+    scheduler = make_scheduler(node.connector)
+    request = make_request(9, with_first_token(make_remote(9), first_token), **params)
+    admit_for_load(scheduler, request)
+    assert wait_load_ended(scheduler, request) == [request]
+    assert request.status is status
+    assert request.output_token_ids == [first_token]
+    assert_idle(scheduler)
+
+
+def test_the_prefill_leg_s_logprob_entry_becomes_the_first_one(
+    make_node: Callable[..., DecodeNode],
+) -> None:
+    node = make_node()
+    scheduler = make_scheduler(node.connector)
+    entry = TokenLogprob(PREFILL_TOKEN, -0.25, [(PREFILL_TOKEN, -0.25), (5, -1.5)])
+    remote = with_first_token(make_remote(9), logprob=entry)
+    request = make_request(9, remote, logprobs=2)
+    admit_for_load(scheduler, request)
+    wait_load_ended(scheduler, request)
+    assert request.logprobs == [entry]
+
+
+@pytest.mark.parametrize(
+    ("token", "logprob", "params"),
+    [
+        (VOCAB_SIZE, None, {}),  # not a token of this model (params come from clients)
+        (PREFILL_TOKEN, None, {"logprobs": 1}),  # no entry for a request that wants one
+        (
+            PREFILL_TOKEN,
+            TokenLogprob(PREFILL_TOKEN, -0.1, [(PREFILL_TOKEN, -0.1)]),
+            {"logprobs": 3},
+        ),
+    ],
+)
+def test_a_first_token_the_request_cannot_use_falls_back_to_recomputing_the_last_position(
+    make_node: Callable[..., DecodeNode],
+    token: int,
+    logprob: TokenLogprob | None,
+    params: dict[str, Any],
+) -> None:
+    node = make_node()
+    scheduler = make_scheduler(node.connector)
+    request = make_request(9, with_first_token(make_remote(9), token, logprob), **params)
+    assert len(admit_for_load(scheduler, request)) == 2  # the last block is not read
+    assert wait_load_ended(scheduler, request) == []
+    assert shape(run_step(scheduler)) == [("r0", 8, 1)]
+    assert request.output_token_ids == [SAMPLED_TOKEN]
 
 
 def test_a_new_pending_load_is_renewed_before_its_lease_ends(
@@ -745,7 +857,8 @@ def test_a_request_preempted_after_its_load_recomputes_instead_of_loading_again(
         runs += [
             (s.num_context_tokens, s.num_new_tokens) for s in out.scheduled if s.request is request
         ]
-    assert runs == [(0, 9), (9, 1)]  # recomputed from scratch (its loaded blocks were freed)
+    # Recomputed locally: its loaded blocks were freed, the full one stayed a prefix hit.
+    assert runs == [(4, 5), (9, 1)]
     assert len(node.control.calls("claim")) == 1
     assert node.control.calls("release") == []
     assert request.status is RequestStatus.FINISHED_LENGTH

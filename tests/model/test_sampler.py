@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pdserve.engine.kv_connector import RemoteToken
 from pdserve.engine.request import Request
 from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
@@ -139,6 +140,32 @@ def test_same_generator_seed_gives_the_same_unseeded_draws() -> None:
     logits = torch.zeros(1, 50)
     assert draw_many(logits, 20, seed=5) == draw_many(logits, 20, seed=5)
     assert draw_many(logits, 20, seed=5) != draw_many(logits, 20, seed=6)
+
+
+def test_a_seeded_request_continued_from_a_remote_token_draws_what_one_node_draws() -> None:
+    """P/D: the prefill node samples the first token from the seed; the decode node's
+    request, given that token, skips that draw, so every later draw is one node's."""
+    logits = torch.linspace(0.0, 1.0, 50).unsqueeze(0)
+    one_node = make_request(seed=42)
+    first, _ = sample(logits.clone(), [one_node], make_generator())
+    second, _ = sample(logits.clone(), [one_node], make_generator())
+
+    prefill = make_request(seed=42)
+    assert sample(logits.clone(), [prefill], make_generator())[0] == first
+    decode = make_request(seed=42)
+    decode.accept_remote_token(RemoteToken(first[0]))
+    decode.token_ids.append(first[0])
+    assert decode.num_remote_draws == 1
+    assert sample(logits.clone(), [decode], make_generator())[0] == second
+    assert decode.num_remote_draws == 0
+    fresh = make_request(seed=42)
+    assert sample(logits.clone(), [fresh], make_generator())[0] == first != second
+
+
+def test_a_greedy_request_skips_no_draw_for_a_remote_token() -> None:
+    request = make_request(temperature=0.0)
+    request.accept_remote_token(RemoteToken(5))
+    assert request.num_remote_draws == 0
 
 
 def draw_sequence(
