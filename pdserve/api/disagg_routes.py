@@ -29,6 +29,7 @@ from pdserve.disagg.handoff import HandoffTable
 from pdserve.disagg.handoff_service import HandoffService
 from pdserve.disagg.messages import (
     AbortOutcome,
+    AbortRequest,
     ClaimBody,
     ClaimReply,
     Outcome,
@@ -38,13 +39,12 @@ from pdserve.disagg.messages import (
     RenewBody,
     RenewReply,
 )
-from pdserve.errors import InvalidRequestError, PdserveError, RequestAbortedError, StatusError
+from pdserve.errors import PdserveError, RequestAbortedError, StatusError
 
 if TYPE_CHECKING:
     from pdserve.api.server import ServerState
 
 MAX_CONTROL_BODY_BYTES = 1 << 20
-MAX_ABORT_IDS = 1024
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -151,16 +151,8 @@ async def release(state: ServerState, request: Request) -> Response:
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
     admin = is_admin(state, request)
-    data = await read_json(request, MAX_CONTROL_BODY_BYTES)
-    ids, token = data.get("request_ids"), data.get("release_token")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
-        raise InvalidRequestError(
-            "request_ids must be a non-empty list of ids", param="request_ids"
-        )
-    if len(ids) > MAX_ABORT_IDS:
-        raise InvalidRequestError(f"at most {MAX_ABORT_IDS} ids per call", param="request_ids")
-    if token is not None and not isinstance(token, str):
-        raise InvalidRequestError("release_token must be a string", param="release_token")
+    body = AbortRequest.from_json(await read_json(request, MAX_CONTROL_BODY_BYTES))
+    ids, token = list(body.ids), body.release_token
     if not admin and not token:
         return error_response(
             401, "the admin API key or a release token is required", "authentication_error"
@@ -185,10 +177,5 @@ def _aborted_by_operator() -> RequestAbortedError:
 
 
 def _token_covers(state: ServerState, ids: list[str], token: str) -> bool:
-    """A release token acts on its own handoff only: every id must name a handoff this
-    node knows (live or recently released) whose token matches. An unknown id cannot be
-    checked against the token, so it is refused too: without the admin key nothing is
-    answered about ids the caller cannot prove are theirs."""
-    if state.legs.handoffs is None:
-        return False
-    return all(state.legs.handoffs.table.named(i, token) for i in ids)
+    """A release token acts on its own handoffs only (`HandoffTable.covers`)."""
+    return state.legs.handoffs is not None and state.legs.handoffs.table.covers(ids, token)

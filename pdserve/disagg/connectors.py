@@ -48,13 +48,13 @@ from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, Role
 from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.messages import Handshake, Outcome, ReleaseReason
 from pdserve.disagg.params import (
-    HandoffRef,
     KVLayout,
     NodeKVInfo,
     RemoteDecode,
     RemotePrefill,
     model_fingerprint,
 )
+from pdserve.disagg.renewer import LeaseRenewer
 from pdserve.disagg.transport import KVTransport, ReadResult, create_transport
 from pdserve.engine.kv_connector import (
     NO_EVENTS,
@@ -120,9 +120,6 @@ class _Load:
     remote: RemotePrefill
     state: LoadState = LoadState.PENDING
     aborted: bool = False
-    claimed: bool = False
-    renewed_s: float = 0.0
-    """When the renew thread last renewed it (0: not yet, so at once)."""
     result: LoadResult | None = None
     remote_block_ids: list[int] = field(default_factory=list)
     local_block_ids: list[int] = field(default_factory=list)
@@ -153,21 +150,19 @@ class DecodeConnector(KVConnector):
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._peers: dict[str, Handshake] = {}
         self._workers = ThreadPoolExecutor(NUM_LOAD_WORKERS, thread_name_prefix="kv-load")
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        """Set when a load is added (its first renewal must not wait a whole period)."""
-        self._renewer = threading.Thread(target=self._renew_loop, name="kv-renew", daemon=True)
-        self._renewer.start()
+        self._renewer = LeaseRenewer(control)
+        """Renews each load's handoff from its arrival until its claim (or its end)."""
         self._transfers: list[tuple[int, float]] = []
         self._claims_s: list[float] = []
 
     # -- scheduler hooks (engine thread) ----------------------------------------------
 
     def on_request_added(self, request: Request) -> None:
-        if isinstance(request.kv_transfer, RemotePrefill):
+        remote = request.kv_transfer
+        if isinstance(remote, RemotePrefill):
             with self._lock:
-                self._loads[request.request_id] = _Load(request.request_id, request.kv_transfer)
-            self._wake.set()
+                self._loads[request.request_id] = _Load(request.request_id, remote)
+            self._renewer.add(request.request_id, remote.control_url, remote.ref, remote.lease_s)
 
     def get_num_remote_tokens(self, request: Request, num_local_tokens: int) -> int:
         load = self._loads.get(request.request_id)
@@ -202,6 +197,7 @@ class DecodeConnector(KVConnector):
                 return
             if num_remote == 0:  # all cached here, or not this prompt's KV: nothing to read
                 del self._loads[request.request_id]
+                self._renewer.discard(request.request_id)
                 self._send_release(load.remote, ReleaseReason.NOT_NEEDED)
                 return
             first = request.num_computed_tokens // self.block_size
@@ -221,6 +217,7 @@ class DecodeConnector(KVConnector):
             if load.state is LoadState.LOADING:
                 return True  # a read may still land in these blocks: hold until it ended
             del self._loads[request.request_id]
+            self._renewer.discard(request.request_id)
             if load.state is LoadState.PENDING:
                 load.state = LoadState.ENDED
                 self._send_release(load.remote, ReleaseReason.CANCELLED)
@@ -282,6 +279,7 @@ class DecodeConnector(KVConnector):
         if load.aborted:
             self._send_release(remote, ReleaseReason.CANCELLED)
             return self._failure(load, "aborted before the claim")
+        self._renewer.discard(load.request_id)  # claimed or refused now: no more renewals
         claim_sent_s = time.monotonic()
         try:
             outcome, claim_timeout_s = self.control.claim(remote.control_url, ref, remote.block_ids)
@@ -293,7 +291,6 @@ class DecodeConnector(KVConnector):
             if outcome is Outcome.WRONG_BLOCKS:  # the handoff is still held, for nobody
                 self._send_release(remote, ReleaseReason.REJECTED)
             return self._failure(load, f"claim refused ({outcome})")
-        load.claimed = True
         with self._lock:
             self._claims_s.append(time.monotonic() - claim_sent_s)
         if self.seams.kv_read_delay_s:
@@ -339,6 +336,7 @@ class DecodeConnector(KVConnector):
     def _end(self, load: _Load, result: LoadResult) -> None:
         """Under the lock: the load is over; the engine thread picks it up next step."""
         load.state, load.result = LoadState.ENDED, result
+        self._renewer.discard(load.request_id)
         self._ended.put(load.request_id)
 
     # -- control messages ----------------------------------------------------------
@@ -352,40 +350,11 @@ class DecodeConnector(KVConnector):
         except ControlError as e:  # the lease frees it anyway
             logger.warning("release of %s failed: %s", remote.ref.handoff_id, e)
 
-    def _renew_loop(self) -> None:
-        """Renew each waiting handoff every quarter of its lease, a new one at once; the
-        renewals due together go out as one batch per prefill node."""
-        while not self._stop.is_set():
-            now = time.monotonic()
-            with self._lock:
-                waiting = [
-                    ld
-                    for ld in self._loads.values()
-                    if not ld.claimed and ld.state is not LoadState.ENDED
-                ]
-            due = [ld for ld in waiting if now >= ld.renewed_s + ld.remote.lease_s / 4]
-            by_node: dict[str, list[HandoffRef]] = {}
-            for load in due:
-                load.renewed_s = now
-                by_node.setdefault(load.remote.control_url, []).append(load.remote.ref)
-            for url, refs in by_node.items():
-                try:
-                    self.control.renew(url, refs)
-                except ControlError as e:
-                    logger.warning("lease renewal to %s failed: %s", url, e)
-            next_due_s = min(
-                (ld.renewed_s + ld.remote.lease_s / 4 for ld in waiting), default=now + 1
-            )
-            self._wake.wait(min(max(0.01, next_due_s - time.monotonic()), 1.0))
-            self._wake.clear()
-
     def close(self) -> None:
         """Stop renewing; wait for reads and releases in flight (they are bounded by the
         claim deadline and the control timeout)."""
-        self._stop.set()
-        self._wake.set()
+        self._renewer.close()
         self._workers.shutdown(wait=True)
-        self._renewer.join(timeout=5)
         self.control.close()
         self.transport.close()
 

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.disagg.messages import Outcome, ReleaseReason
+from pdserve.disagg.messages import AbortOutcome, Outcome, ReleaseReason
 
 RELEASED_RETENTION_S = 600.0
 """RELEASED handoffs are remembered this long, to answer late messages precisely."""
@@ -178,6 +178,39 @@ class HandoffTable:
         self._release(handoff, reason)
         return Outcome.OK
 
+    def abort(self, ids: Sequence[str], token: str | None, admin: bool) -> dict[str, AbortOutcome]:
+        """`POST /v1/abort_requests`: release the handoffs each id names (`named`; with a
+        token and no admin credential, only those minted with it). Ids that name nothing
+        are left out of the answer."""
+        results: dict[str, AbortOutcome] = {}
+        for key in ids:
+            handoffs = self.named(key, None if admin else token)
+            if handoffs:
+                outcomes = [
+                    self.release(h.handoff_id, token, admin=admin, reason=ReleaseReason.ABORTED)
+                    for h in handoffs
+                ]
+                results[key] = _abort_outcome(outcomes)
+        return results
+
+    def covers(self, ids: Sequence[str], token: str) -> bool:
+        """Whether a release token may act on every id: each must name a handoff (live or
+        recently released) minted with it. An unknown id cannot be checked against the
+        token, so it is refused too: without the admin key nothing is answered about ids
+        the caller cannot prove are theirs."""
+        return all(self.named(key, token) for key in ids)
+
+    def ended(self, handoff_id: str, reason: ReleaseReason) -> Outcome:
+        """The engine freed the handoff's blocks on its own (a vLLM worker: the decode
+        node's read notification, or its own lease): the handoff ends in any state."""
+        handoff = self._handoffs.get(handoff_id)
+        if handoff is None:
+            return self._count("ended_unknown", Outcome.UNKNOWN)
+        if handoff.state is HandoffState.RELEASED:
+            return self._count("ended_late", Outcome.ALREADY_RELEASED)
+        self._release(handoff, reason)
+        return Outcome.OK
+
     # -- time ----------------------------------------------------------------------
 
     def sweep(self) -> int:
@@ -269,6 +302,14 @@ class HandoffTable:
         handoff.release_reason = reason
         handoff.released_at_s = self._clock()
         self._released.append(handoff)
+
+
+def _abort_outcome(outcomes: list[Outcome]) -> AbortOutcome:
+    if any(o in (Outcome.OK, Outcome.DEFERRED) for o in outcomes):
+        return AbortOutcome.RELEASED  # DEFERRED: freed when the claimed read ends
+    if any(o is Outcome.ALREADY_RELEASED for o in outcomes):
+        return AbortOutcome.ALREADY_RELEASED
+    return AbortOutcome.NOT_FOUND
 
 
 def _same_token(token: str | None, handoff: Handoff) -> bool:

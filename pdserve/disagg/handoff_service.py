@@ -137,16 +137,7 @@ class HandoffService:
         """`POST /v1/abort_requests` on a prefill node: release handoffs (by handoff id,
         server request id or X-Request-Id; with a token, only those it was minted for) and
         abort their running prefill legs."""
-        results: dict[str, AbortOutcome] = {}
-        for request_id in ids:
-            handoffs = self.table.named(request_id, None if admin else token)
-            if not handoffs:
-                continue
-            outcomes = [
-                self.table.release(h.handoff_id, token, admin=admin, reason=ReleaseReason.ABORTED)
-                for h in handoffs
-            ]
-            results[request_id] = _abort_outcome(outcomes)
+        results = self.table.abort(ids, token, admin)
         await self._flush()
         return results
 
@@ -207,10 +198,3 @@ class HandoffService:
             )
         return rows
 
-
-def _abort_outcome(outcomes: list[Outcome]) -> AbortOutcome:
-    if any(o in (Outcome.OK, Outcome.DEFERRED) for o in outcomes):
-        return AbortOutcome.RELEASED  # DEFERRED: freed when the claimed read ends
-    if any(o is Outcome.ALREADY_RELEASED for o in outcomes):
-        return AbortOutcome.ALREADY_RELEASED
-    return AbortOutcome.NOT_FOUND

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.disagg.params import HandoffRef, KVLayout
 from pdserve.disagg.transport import TransportInfo
+from pdserve.errors import InvalidRequestError
 
 MAX_REFS = 1024
 """Most handoffs one renewal names."""
@@ -160,6 +161,32 @@ class RenewReply(_Body):
 class ClaimReply(OutcomeReply):
     claim_timeout_s: float
     """How long the claim holds on the prefill node (the decode node reads well within)."""
+
+
+MAX_ABORT_IDS = 1024
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """`POST /v1/abort_requests`: the ids to abort or release, and the caller's release
+    token (none: the caller must hold the admin credential)."""
+
+    ids: tuple[str, ...]
+    release_token: str | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AbortRequest:
+        """Validated; a bad body is an InvalidRequestError naming the field (a 400)."""
+        ids, token = data.get("request_ids"), data.get("release_token")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+            raise InvalidRequestError(
+                "request_ids must be a non-empty list of ids", param="request_ids"
+            )
+        if len(ids) > MAX_ABORT_IDS:
+            raise InvalidRequestError(f"at most {MAX_ABORT_IDS} ids per call", param="request_ids")
+        if token is not None and not isinstance(token, str):
+            raise InvalidRequestError("release_token must be a string", param="release_token")
+        return cls(tuple(ids), token or None)
 
 
 # -- the handshake ----------------------------------------------------------------------------
