@@ -197,4 +197,3 @@ class HandoffService:
                 }
             )
         return rows
-

@@ -83,12 +83,15 @@ MIN_TOKEN_CHARS, MAX_TOKEN_CHARS = 22, 128
 _TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
+def is_valid_release_token(token: str) -> bool:
+    """A caller-chosen release token is hard enough to guess."""
+    return MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS and set(token) <= _TOKEN_ALPHABET
+
+
 def remote_decode_from(params: KVTransferParams) -> RemoteDecode:
     """Validate a prefill leg's params: a chosen token must be hard to guess (400 if not)."""
     token = params.release_token
-    if token is not None and not (
-        MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS and set(token) <= _TOKEN_ALPHABET
-    ):
+    if token is not None and not is_valid_release_token(token):
         raise InvalidRequestError(
             f"kv_transfer_params.release_token must be {MIN_TOKEN_CHARS}-{MAX_TOKEN_CHARS} "
             "URL-safe base64 characters (secrets.token_urlsafe(24) makes one)",

@@ -170,6 +170,8 @@ async def _route(state: ProxyState, client: _Client, path: str, body: dict[str, 
         return error_response(
             502, "the prefill node returned no kv_transfer_params", "upstream_error"
         )
+    if isinstance(kv.get("control_url"), str):
+        backend.control_url = kv["control_url"]
     client.stage = Stage.BETWEEN_LEGS
     if state.seams.between_legs_s:
         await asyncio.sleep(state.seams.between_legs_s)
@@ -534,8 +536,10 @@ def _attempts(
 
 
 async def release_handoff(state: ProxyState, backend: Backend, kv: dict[str, Any]) -> None:
-    """Let go of a handoff the proxy will not use, named by the prefill answer's params."""
-    handoff_id = kv.get("remote_request_id")
+    """Let go of a handoff the proxy will not use, named by the prefill answer's params: a
+    pdserve node's handoff id is `remote_request_id`; a vLLM node's connector names its
+    own (`handoff_id`, with its `control_url`)."""
+    handoff_id = kv.get("handoff_id") or kv.get("remote_request_id")
     if handoff_id:
         await release(state, backend, handoff_id, kv.get("release_token"))
 
@@ -544,17 +548,19 @@ async def release(state: ProxyState, backend: Backend, request_id: str, token: s
     """Release what `request_id` names on a prefill node (a handoff id, or a leg's
     X-Request-Id): by its release token, else with the node key (a node that mints no
     tokens). Refused when the node does not know it (the leg never arrived, or has ended),
-    which is fine: nothing of it is held."""
+    which is fine: nothing of it is held. A vLLM node takes it at its connector's endpoint
+    (`Backend.control_url`); a stock vLLM node has none, and its own lease frees it."""
     body: dict[str, Any] = {"request_ids": [request_id]}
     if token:
         body["release_token"] = token
     state.metrics.releases.inc()
+    url = backend.control_url or backend.url
     try:
         await state.http.post(
-            f"{backend.url}/v1/abort_requests", json=body, headers=state.node_headers, timeout=2.0
+            f"{url}/v1/abort_requests", json=body, headers=state.node_headers, timeout=2.0
         )
     except httpx.HTTPError as e:  # its lease frees it
-        logger.warning("release of %s on %s failed: %s", request_id, backend.url, e)
+        logger.warning("release of %s on %s failed: %s", request_id, url, e)
 
 
 def _forward_error(status: int, content: bytes) -> Response:

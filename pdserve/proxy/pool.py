@@ -113,6 +113,10 @@ class Backend:
     cached: CachedPrefixes = EMPTY
     """The node's prefix cache, from its latest summary."""
     malformed_summaries: int = 0
+    control_url: str | None = None
+    """Where the node takes releases when that is not its own URL: a vLLM node running
+    `PdserveConnector` answers prefill legs with its connector's endpoint (`control_url`),
+    learned from its answers (docs/vllm.md)."""
     _recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     """Block-hash cut → when a prompt with that block was last sent, oldest first: cached
     there soon, maybe not yet in a summary."""

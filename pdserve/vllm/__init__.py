@@ -1,0 +1,29 @@
+"""pdserve's handoff protocol inside vLLM: `PdserveConnector`, a KV connector that vLLM loads
+by name, no fork (docs/vllm.md).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "PdserveConnector",
+        "kv_connector_module_path": "pdserve.vllm", "kv_role": "kv_producer"}'
+
+vLLM's factory imports this package and reads `PdserveConnector` from it: that first read
+checks the installed vLLM against the supported versions (`versions.py`; another is a clear
+error naming them) and imports the connector, which loads only what it needs of pdserve:
+the handoff table, the control messages and their client, never the engine or the server.
+The protocol halves (`producer`, `consumer`, `control_server`, `signals`) import no vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PdserveConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "PdserveConnector":
+        raise AttributeError(f"module 'pdserve.vllm' has no attribute {name!r}")
+    from pdserve.vllm.versions import check_vllm_version
+
+    check_vllm_version()
+    from pdserve.vllm.connector import PdserveConnector
+
+    return PdserveConnector
