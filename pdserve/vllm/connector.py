@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from pdserve.vllm.consumer import ClaimState, Consumer
 from pdserve.vllm.producer import Producer
 from pdserve.vllm.settings import Settings
-from pdserve.vllm.signals import SignalFilter
+from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM, SignalFilter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +58,6 @@ if TYPE_CHECKING:
 
 PROTOCOL = "pdserve-handoff-1"
 """Mixed into the NIXL compatibility hash: only PdserveConnector nodes handshake."""
-DUPLICATE_SIGNALS_SEAM = "PDSERVE_VLLM_SEAM_DUPLICATE_SIGNALS"
-"""Test seam, never configuration: the worker reports every finished id twice, and ids
-nobody asked for, as vLLM bugs and restarts do (tests/vllm: the S8 storm)."""
 
 
 class PdserveConnector(NixlPullConnector):
@@ -181,9 +178,11 @@ class PdserveWorker(NixlPullConnectorWorker):
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()
-        if os.environ.get(DUPLICATE_SIGNALS_SEAM):
+        storm = os.environ.get(DUPLICATE_SIGNALS_SEAM)
+        if storm and os.path.exists(storm):
             again = set(getattr(self, "_reported", ()))
             self._reported = results.finished_sending | results.finished_recving
-            results.finished_sending |= again | {"pdserve-seam-unknown-sending"}
-            results.finished_recving |= again | {"pdserve-seam-unknown-recving"}
+            if again:
+                results.finished_sending |= again | {"pdserve-seam-unknown"}
+                results.finished_recving |= again | {"pdserve-seam-unknown"}
         return results

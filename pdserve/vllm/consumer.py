@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -138,8 +139,15 @@ class Consumer:
     # -- control messages (worker threads) ------------------------------------------------
 
     def _claim(self, load: _Load) -> None:
+        started = time.monotonic()
         try:
             outcome, _ = self.control.claim(load.url, load.ref, load.block_ids)
+            logger.info(
+                "claim of %s: %s in %.3f s",
+                load.ref.handoff_id,
+                outcome,
+                time.monotonic() - started,
+            )
         except ControlError as e:
             # Unknown whether it landed: never read (fail closed); the prefill node frees
             # the handoff at its claim deadline or lease end.

@@ -44,6 +44,8 @@ from pdserve.errors import InvalidRequestError
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logging: its format, its level
 
 MAX_BODY_BYTES = 1 << 20
+SLOW_S = 0.1
+"""A control message that takes longer is logged: a release must free within 50 ms."""
 
 
 class ControlServer:
@@ -56,12 +58,12 @@ class ControlServer:
         host: str,
         port: int,
         cluster_secret: str | None,
-        on_release: Callable[[], None] = lambda: None,
+        report: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.table, self.lock = table, lock
         self.cluster_secret = cluster_secret
-        self.on_release = on_release
-        """Called after a message that may have released a handoff (wakes the engine)."""
+        self.report = report
+        """More of the node's state for `GET /kv/handoffs`."""
         self._http = ThreadingHTTPServer((host, port), _handler_class(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -95,7 +97,6 @@ class ControlServer:
     def finish_read(self, body: RefBody, ok: bool) -> tuple[int, BaseModel]:
         with self.lock:
             outcome = self.table.finish_read(body.handoff_id, body.release_token, body.epoch, ok)
-        self.on_release()
         return 200, OutcomeReply(outcome=outcome)
 
     def release(self, body: ReleaseBody) -> tuple[int, BaseModel]:
@@ -103,7 +104,6 @@ class ControlServer:
             outcome = self.table.release(
                 body.handoff_id, body.release_token, body.epoch, reason=body.reason.as_recorded
             )
-        self.on_release()
         return 200, OutcomeReply(outcome=outcome)
 
     def abort(self, body: AbortRequest, admin: bool) -> tuple[int, dict[str, Any]]:
@@ -118,7 +118,6 @@ class ControlServer:
             if not admin and not self.table.covers(body.ids, str(token)):
                 return 403, _error("the release token does not cover every id", "permission_error")
             results = self.table.abort(body.ids, token, admin)
-        self.on_release()
         outcomes = [
             {"id": i, "outcome": results[i].value if i in results else "not_found"}
             for i in body.ids
@@ -148,6 +147,7 @@ class ControlServer:
             "num_held_blocks": held,
             "handoffs": rows,
             "counters": counters,
+            **self.report(),
         }
 
 
@@ -158,6 +158,9 @@ def _error(message: str, error_type: str) -> dict[str, Any]:
 def _handler_class(server: ControlServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out as two writes: with Nagle's algorithm the body would
+        # wait for the client's delayed ACK of the headers (40 ms on Linux, every call).
+        disable_nagle_algorithm = True
 
         def do_GET(self) -> None:
             if self.path != "/kv/handoffs":
@@ -170,6 +173,7 @@ def _handler_class(server: ControlServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, server.handoffs())
 
         def do_POST(self) -> None:
+            started = time.monotonic()
             try:
                 status, reply = self._route(self._json())
             except InvalidRequestError as e:
@@ -179,6 +183,9 @@ def _handler_class(server: ControlServer) -> type[BaseHTTPRequestHandler]:
                     400,
                     _error(f"bad body: {e.errors()[0]['msg']}", "invalid_request_error"),
                 )
+            took_s = time.monotonic() - started
+            if took_s > SLOW_S:
+                logger.warning("POST %s took %.3f s", self.path, took_s)
             self._send(status, reply)
 
         def _route(self, data: dict[str, Any]) -> tuple[int, Any]:

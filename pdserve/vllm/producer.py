@@ -26,6 +26,7 @@ import logging
 import re
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable
@@ -64,7 +65,12 @@ class Producer:
         """Guards the table: the engine thread and the control server's threads share it."""
         self.vllm_lease_s = vllm_lease_s
         self.server = ControlServer(
-            self.table, self.lock, host, settings.control_port, settings.cluster_secret
+            self.table,
+            self.lock,
+            host,
+            settings.control_port,
+            settings.cluster_secret,
+            lambda: {"freed_after_release_s": list(self.freed_after_release_s)},
         )
         self.control_url = f"http://{host}:{self.server.port}"
         self._handoff_of: dict[str, str] = {}
@@ -72,6 +78,9 @@ class Producer:
         self._holding: dict[str, float] = {}
         """vLLM request id → its worker deadline (perf_counter), while vLLM holds its blocks."""
         self._free_next: set[str] = set()
+        self.freed_after_release_s: deque[float] = deque(maxlen=10_000)
+        """For each handoff the table released (a release, an abort, a lease or claim
+        deadline): seconds until vLLM reported its blocks freed. `GET /kv/handoffs`."""
         logger.info("pdserve handoffs: control endpoint %s", self.control_url)
 
     # -- the scheduler's hooks (engine thread) -------------------------------------------
@@ -122,6 +131,13 @@ class Producer:
             self.table.sweep()
             released = self.table.take_released()
             live = [(h.request_id, _time_left_s(h)) for h in self.table.live() if h.block_ids]
+        for handoff in released:
+            logger.info(
+                "handoff %s (request %s) released: %s",
+                handoff.handoff_id,
+                handoff.request_id,
+                handoff.release_reason,
+            )
         to_free = self._free_next | {h.request_id for h in released}
         self._free_next = set()
         for request_id in to_free & self._holding.keys():
@@ -143,7 +159,9 @@ class Producer:
                 continue
             with self.lock:
                 handoff = self.table.get(handoff_id)
-                if handoff is not None and handoff.state is not HandoffState.RELEASED:
+                if handoff is not None and handoff.state is HandoffState.RELEASED:
+                    self.freed_after_release_s.append(time.monotonic() - handoff.released_at_s)
+                elif handoff is not None:
                     claimed = handoff.state is HandoffState.CLAIMED
                     # Without a claim, only vLLM's own lease frees a held request.
                     reason = ReleaseReason.TRANSFERRED if claimed else ReleaseReason.EXPIRED

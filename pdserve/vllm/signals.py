@@ -8,6 +8,11 @@ from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logging: its format, its level
 
+DUPLICATE_SIGNALS_SEAM = "PDSERVE_VLLM_SEAM_DUPLICATE_SIGNALS"
+"""Test seam, never configuration: a file path; while that file exists, the worker reports
+every finished id again a step later, and an id nobody asked for, as vLLM bugs and restarts
+do (tests/vllm: the S8 storm)."""
+
 
 class SignalFilter:
     """What the worker may report, once each: `finished_sending` for a request whose blocks
