@@ -27,13 +27,13 @@ run: setup
 	$(VENV)/bin/pdserve up --ask "What is the capital of France?"
 
 test: setup
-	$(PY) -m pytest tests -m "not vllm"
+	$(PY) -m pytest tests -m "not vllm" --durations=25
 
 # pdserve's connector in real vLLM nodes: installs vLLM's CPU build, NIXL and pdserve into
 # bench/.venv-vllm (~3.5 GB, a few minutes, once), then runs tests/vllm against it.
 test-vllm: setup
 	bench/vllm_cpu/setup.sh
-	$(PY) -m pytest tests/vllm
+	$(PY) -m pytest tests/vllm --durations=10
 
 check: setup
 	$(VENV)/bin/ruff check pdserve tests bench

@@ -29,7 +29,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.hf_reference import hf_model_from_gguf
-from pdserve.model.loader import default_model_path
+from pdserve.model.files import default_model_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOP = 5

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.proxy.launch import launch, stop_all, wait_healthy
+from pdserve.launch import launch, stop_all, wait_healthy
 
 API_KEY = "bench-key"
 

@@ -4,7 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import RequestTimes, TokenLogprob
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went inside the engine (seconds; the node's
+    `vllm:request_*_time_seconds` histograms)::
+
+        arrival ─queued─▶ admitted ─kv_load─▶ loaded ─prefill─▶ first token ─decode─▶ end
+
+    `kv_load_s` is 0 unless a decode node read the prompt's KV from a prefill node (its
+    handshake, claim and read); `prefill_s` then covers only the first token's step."""
+
+    queued_s: float
+    kv_load_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The `logprobs` most likely (token id, logprob) pairs at this position."""
+    decoded: dict[int, str] = field(default_factory=dict)
+    """Text of the chosen and top tokens, filled in by the output processor."""
 
 
 @dataclass
@@ -45,3 +69,20 @@ class RequestOutput:
     def aborted(self) -> bool:
         """The engine aborted it (any sample): its outputs are not a completion."""
         return any(c.finish_reason == "abort" for c in self.outputs)
+
+
+@dataclass(frozen=True)
+class ComputeInfo:
+    """What the model computes with, and why: reported by /v1/models and /admin/kv."""
+
+    dtype: str
+    dtype_reason: str
+    device: str
+    ops: str
+    """The backend that runs the hot operations, with its CPU level (`cpu-kernels (avx2)`)."""
+    cpu_level: str | None
+    """The CPU level in use and where it came from; None on a GPU."""
+    quantization: str = "none"
+    """How the weights are kept, and their bytes in memory (loader.plan_quantization)."""
+    kv_cache_dtype: str = "bfloat16"
+    """The KV cache's format (kv_format.py)."""

@@ -6,7 +6,7 @@ that cannot be missed. Two kinds of child watch for it:
 - the engine process watches its node's API process (`engine/core_process.py`): an orphaned
   engine would keep pinning blocks and renewing leases;
 - a node or proxy started by a launcher (`pdserve up`, `bench chaos`, the benchmarks and
-  the tests, all through `proxy/launch.py`) watches the launcher when given `--parent-pid`:
+  the tests, all through `launch.py`) watches the launcher when given `--parent-pid`:
   an orphaned node keeps its port, its memory and its NIXL agent.
 
 The parent's pid is passed in where a child may start after its parent died (a launcher

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pdserve.engine.request import RequestTimes
+    from pdserve.outputs import RequestTimes
 
 logger = logging.getLogger(__name__)
 

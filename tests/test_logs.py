@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.proxy.launch import Node, kill, launch, wait_healthy
+from pdserve.launch import Node, kill, launch, wait_healthy
 from tests.api.conftest import API_KEY, start_server, stop_server
 from tests.disagg.conftest import Cluster, node_args
 from tests.disagg.conftest import cluster as cluster  # the shared session fixture

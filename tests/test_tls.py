@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pdserve.errors import ConfigError
-from pdserve.proxy.launch import health_status, launch, wait_healthy
+from pdserve.launch import health_status, launch, wait_healthy
 from pdserve.tls import ClusterCerts, TLSConfig, make_cluster_certs, warn_if_exposed
 from tests.api.conftest import ENV, Server, stop_server
 from tests.disagg.conftest import (

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from pdserve import tracing
-from pdserve.engine.request import RequestTimes
 from pdserve.errors import ConfigError
+from pdserve.outputs import RequestTimes
 from tests.api.conftest import Server, free_port, start_servers, stop_server
 from tests.disagg.conftest import completion, make_prompt, node_args
 from tests.proxy.conftest import start_proxy

@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def export_tokenizer(model: str, path: Path) -> Path:
-    from pdserve.model.loader import load_tokenizer
+    from pdserve.model.files import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
@@ -87,7 +87,7 @@ def export_tokenizer(model: str, path: Path) -> Path:
 
 
 def free_port() -> int:
-    from pdserve.proxy.launch import free_port as free
+    from pdserve.launch import free_port as free
 
     return free()
 

@@ -449,8 +449,8 @@ class ModelBench:
     def decode_step(self, batch: int, context: int) -> tuple[Any, list[list[int]]]:
         """A scheduler output of `batch` decodes with `context` cached tokens each, on
         disjoint blocks (the pad block excluded)."""
+        from pdserve.batch import ScheduledRequest, SchedulerOutput
         from pdserve.engine.request import Request
-        from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
         from pdserve.sampling_params import SamplingParams
 
         nb = context // self.bs + 1
@@ -707,8 +707,8 @@ class ModelBench:
 
     def _prefill(self, seqs: list[list[int]]) -> list[list[int]]:
         """Prefill every sequence but its last token (one step); their block tables."""
+        from pdserve.batch import ScheduledRequest, SchedulerOutput
         from pdserve.engine.request import Request
-        from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
         from pdserve.sampling_params import SamplingParams
 
         entries, tables, first = [], [], 0
@@ -723,8 +723,8 @@ class ModelBench:
         return tables
 
     def _decode_entries(self, seqs: list[list[int]], tables: list[list[int]]) -> Any:
+        from pdserve.batch import ScheduledRequest, SchedulerOutput
         from pdserve.engine.request import Request
-        from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
         from pdserve.sampling_params import SamplingParams
 
         entries = [

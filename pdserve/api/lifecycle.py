@@ -31,10 +31,10 @@ import uvicorn
 
 from pdserve import logs
 from pdserve.api.metrics import MetricsRecorder
+from pdserve.api.pd_legs import node_legs
 from pdserve.api.server import ServerState, create_app
 from pdserve.config import ServerConfig
 from pdserve.disagg.config import KVTransferConfig
-from pdserve.disagg.legs import node_legs
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.errors import ServerShuttingDownError
 from pdserve.heap import freeze_startup_objects

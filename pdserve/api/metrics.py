@@ -16,9 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pdserve.disagg.messages import ReleaseReason
 from pdserve.engine.core_messages import EngineStats
 from pdserve.engine.kv_connector import KVConnectorStats
-from pdserve.engine.request import RequestTimes
 from pdserve.errors import PdserveError
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import RequestOutput, RequestTimes
 from pdserve.tracing import NULL_SPAN, Span
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -12,8 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.request import TokenLogprob
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ a drain gave up on it (`ServerShuttingDownError`), 409 when an operator aborted 
 (`RequestAbortedError`); a stream that already sent tokens ends with that error as its
 last event, then `[DONE]`.
 
-P/D legs (`kv_transfer_params`) are the node's `NodeLegs` (`pdserve.disagg.legs`): it
+P/D legs (`kv_transfer_params`) are the node's `NodeLegs` (`pdserve.api.pd_legs`): it
 parses them against the node's role, serves prefill legs, and releases the handoff of a
 decode leg the engine never admitted. A decode leg otherwise takes the path above.
 """
@@ -54,9 +54,9 @@ from pdserve.api.errors import (
 from pdserve.api.live import LiveRequests
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.openapi import openapi_document
+from pdserve.api.pd_legs import NodeLegs
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
-from pdserve.disagg.legs import NodeLegs
 from pdserve.disagg.params import RemoteDecode
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.engine.kv_connector import KVTransferSpec

@@ -176,8 +176,8 @@ def score_pdserve(
 def _window_logits(engine: Any, window_ids: list[int], stride: int) -> torch.Tensor:
     """Every position's logits [len(window_ids), V] for a fresh sequence of `window_ids`,
     run as prefill chunks of `stride` tokens in blocks allocated from the engine's pool."""
+    from pdserve.batch import ScheduledRequest, SchedulerOutput
     from pdserve.engine.request import Request
-    from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
     from pdserve.sampling_params import SamplingParams
 
     request = Request("accuracy-window", window_ids, SamplingParams(max_tokens=1))
@@ -208,7 +208,7 @@ LLAMACPP_SETUP = _CHECKOUT / "bench" / "llamacpp" / "setup.sh"
 
 def llamacpp_missing_reason(model: str) -> str | None:
     """Why llama.cpp cannot be the reference here, or None when it can."""
-    from pdserve.model.loader import resolve_model_path
+    from pdserve.model.files import resolve_model_path
 
     if resolve_model_path(model).suffix != ".gguf":
         return "the model is not a GGUF file"
@@ -223,7 +223,7 @@ def score_llamacpp(
 ) -> tuple[Scores, str]:
     """llama.cpp (bench/llamacpp/score_llamacpp.py, in its virtualenv) on the same GGUF
     file, ids and windows; the scores and a line naming its version and build."""
-    from pdserve.model.loader import resolve_model_path
+    from pdserve.model.files import resolve_model_path
 
     request = {
         "model_path": str(resolve_model_path(args.model)),
@@ -290,9 +290,9 @@ def _selected_formats(names: str) -> list[WeightFormat]:
 def _tokens(model: str, max_tokens: int | None) -> list[int]:
     """pdserve's tokenization of the text (a GGUF's own tokenizer, or a directory's
     tokenizer.json), which every system then scores as ids."""
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.model.files import resolve_model_path
     from pdserve.model.gguf_file import open_gguf
-    from pdserve.model.loader import resolve_model_path
+    from pdserve.model.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else open_gguf(path).tokenizer()

@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
-from pdserve.proxy.launch import free_port
+from pdserve.launch import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _limits(slots: int) -> httpx.Limits:
 def llama_server_runner(args: argparse.Namespace, planned: Any) -> LlamaServerRunner | None:
     """llama-server sized for `planned`, or None (logged) when it is not built."""
     from pdserve.bench.offline import max_model_len
-    from pdserve.model.loader import resolve_model_path
+    from pdserve.model.files import resolve_model_path
 
     binary = llama_server_binary()
     if binary is None:

@@ -174,7 +174,7 @@ def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
 
 def hf_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     from pdserve.bench.hf_reference import hf_model_from_gguf
-    from pdserve.model.loader import default_model_path
+    from pdserve.model.files import default_model_path
 
     if args.model != "default":
         raise SystemExit("--compare hf supports --model default (a GGUF) for now")
@@ -293,7 +293,7 @@ class LlamaCppRunner(SubprocessPeer):
     name = "llama.cpp"
 
     def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
-        from pdserve.model.loader import resolve_model_path
+        from pdserve.model.files import resolve_model_path
 
         path = resolve_model_path(args.model)
         if path.suffix != ".gguf":
@@ -358,7 +358,7 @@ def vllm_env(threads_bind: str) -> dict[str, str]:
 def hf_dir_for(model: str) -> Path:
     """A Hugging Face directory vLLM can load: `model` itself if it is one, else an export
     of the GGUF file, cached under ~/.cache/pdserve/hf (fp32 weights; vLLM casts)."""
-    from pdserve.model.loader import resolve_model_path
+    from pdserve.model.files import resolve_model_path
 
     path = resolve_model_path(model)
     if path.is_dir():

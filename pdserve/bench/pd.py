@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
+from pdserve.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.launch import free_port, launch, sigterm_as_interrupt
 from pdserve.parent_watch import ParentWatch
-from pdserve.proxy.launch import free_port, launch, sigterm_as_interrupt
 from pdserve.tls import TLSConfig, make_cluster_certs
 
 BODY = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0}).encode()

@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 
 from pdserve.bench.accuracy import load_text
-from pdserve.proxy.launch import Node, free_port, launch, stop_all, wait_healthy
+from pdserve.launch import Node, free_port, launch, stop_all, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ROUTER = ROOT / "bench" / ".venv-vllm-router" / "bin" / "vllm-router"

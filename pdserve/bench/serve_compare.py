@@ -32,7 +32,7 @@ from pdserve.bench.serve import (
     wall_duration_s,
 )
 from pdserve.errors import ConfigError
-from pdserve.proxy.launch import (
+from pdserve.launch import (
     Node,
     free_port,
     launch,

@@ -20,7 +20,7 @@ from typing import IO, Any
 import httpx
 
 from pdserve.bench.offline import VLLM_VENV, hf_dir_for, vllm_env
-from pdserve.proxy.launch import Node, free_port, signal_tree
+from pdserve.launch import Node, free_port, signal_tree
 
 CONNECTORS = ("NixlConnector", "PdserveConnector")
 KV_CACHE_BYTES = 256 << 20
@@ -53,7 +53,7 @@ def launch_vllm_node(
     output: IO[bytes] | None = None,
 ) -> VllmNode:
     """A vLLM node with `connector` in `role` (kv_producer, kv_consumer); returns at once
-    (`pdserve.proxy.launch.wait_healthy` waits: vLLM starts in about a minute here)."""
+    (`pdserve.launch.wait_healthy` waits: vLLM starts in about a minute here)."""
     if connector not in CONNECTORS:
         raise ValueError(f"connector must be one of {CONNECTORS}")
     port, side_channel = free_port(), free_port()

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from pdserve.cluster.autoscale import AutoscaleConfig
-from pdserve.proxy.launch import sigterm_as_interrupt
+from pdserve.launch import sigterm_as_interrupt
 from pdserve.proxy.up import add_cluster_args, ask, node_args, print_banner, proxy_config
 from pdserve.tls import TLSConfig
 

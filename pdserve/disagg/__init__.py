@@ -2,8 +2,7 @@
 it runs in:
 
     launcher        config.py          role, failure policy, transport: KVTransferConfig
-    API process     legs.py            a node's side of the two legs
-                    handoff.py         prefill: the handoff table
+    API process     handoff.py         prefill: the handoff table
                     handoff_service.py prefill: that table's sweep, and freeing via the engine
     engine process  connectors.py      the prefill and decode KV connectors
                     control.py         decode: the client of /kv/*

@@ -2,7 +2,7 @@
 enums. Built once by `pdserve serve` from its flags; the engine never sees it: the role
 reaches the engine only as the connector factory the launcher picks
 (`pdserve.disagg.connectors.connector_factory`), and the API process as the node's legs
-(`pdserve.disagg.legs.node_legs`).
+(`pdserve.api.pd_legs.node_legs`).
 """
 
 from __future__ import annotations

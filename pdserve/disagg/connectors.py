@@ -71,7 +71,7 @@ from pdserve.seams import NO_SEAMS, Seams
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.batch import SchedulerOutput
     from pdserve.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)

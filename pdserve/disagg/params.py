@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.transport import TransportInfo
 from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec, RemoteToken
-from pdserve.engine.request import TokenLogprob
 from pdserve.errors import InvalidRequestError
+from pdserve.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     import torch

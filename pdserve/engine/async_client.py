@@ -30,7 +30,6 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
-    ComputeInfo,
     EngineStats,
     FreeHeld,
     Ready,
@@ -46,7 +45,7 @@ from pdserve.engine.kv_connector import (
 )
 from pdserve.errors import KVTransferError, PdserveError, RequestAbortedError, StatusError
 from pdserve.kv_cache.prefix_summary import PrefixIndex
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import ComputeInfo, RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.kv_connector import NO_STATS, KVConnectorStats, KVHandshakeInfo, KVTransferSpec
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import ComputeInfo, RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 
@@ -70,23 +70,6 @@ class RequestError:
     message: str
     error_type: str
     param: str | None = None
-
-
-@dataclass(frozen=True)
-class ComputeInfo:
-    """What the model computes with, and why: reported by /v1/models and /admin/kv."""
-
-    dtype: str
-    dtype_reason: str
-    device: str
-    ops: str
-    """The backend that runs the hot operations, with its CPU level (`cpu-kernels (avx2)`)."""
-    cpu_level: str | None
-    """The CPU level in use and where it came from; None on a GPU."""
-    quantization: str = "none"
-    """How the weights are kept, and their bytes in memory (loader.plan_quantization)."""
-    kv_cache_dtype: str = "bfloat16"
-    """The KV cache's format (kv_format.py)."""
 
 
 @dataclass(frozen=True)

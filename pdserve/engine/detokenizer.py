@@ -12,7 +12,7 @@ cut before it (or after it with `include_stop_str_in_output`).
 
 from __future__ import annotations
 
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"

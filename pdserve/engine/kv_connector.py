@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.request import Request, TokenLogprob
-    from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.batch import SchedulerOutput
+    from pdserve.engine.request import Request
     from pdserve.model.loader import LoadedModel
+    from pdserve.outputs import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, RequestTimes, TokenLogprob
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import Request
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.outputs import CompletionOutput, RequestOutput, RequestTimes, TokenLogprob
 
 
 @dataclass

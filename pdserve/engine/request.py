@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.kv_connector import KVTransferSpec, RemoteToken
+from pdserve.outputs import RequestTimes, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,32 +56,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
-
-
-@dataclass(frozen=True)
-class RequestTimes:
-    """Where a finished request's time went inside the engine (seconds; the node's
-    `vllm:request_*_time_seconds` histograms)::
-
-        arrival ─queued─▶ admitted ─kv_load─▶ loaded ─prefill─▶ first token ─decode─▶ end
-
-    `kv_load_s` is 0 unless a decode node read the prompt's KV from a prefill node (its
-    handshake, claim and read); `prefill_s` then covers only the first token's step."""
-
-    queued_s: float
-    kv_load_s: float
-    prefill_s: float
-    decode_s: float
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-    """The `logprobs` most likely (token id, logprob) pairs at this position."""
-    decoded: dict[int, str] = field(default_factory=dict)
-    """Text of the chosen and top tokens, filled in by the output processor."""
 
 
 class Request:

@@ -28,8 +28,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
+from pdserve.batch import ScheduledRequest, SchedulerOutput
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, NoKVConnector
 from pdserve.engine.request import Request, RequestStatus
@@ -37,34 +37,6 @@ from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    num_context_tokens: int
-    """Tokens already in the cache before this step's `num_new_tokens`."""
-    block_ids: tuple[int, ...]
-    samples: bool
-    """This step reaches the end of the request's known tokens, so it samples a token.
-    Fixed when scheduled: the request's token count changes once the token is appended."""
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]
-    """Single-token entries (decodes) first, then multi-token prefill chunks."""
-    num_decodes: int
-    preempted_ids: tuple[str, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -129,9 +101,9 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Request]:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledRequest[Request]] = []
         preempted: list[str] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
@@ -141,7 +113,7 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), num_decodes, tuple(preempted))
 
     def _schedule_running(
-        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+        self, budget: int, scheduled: list[ScheduledRequest[Request]], preempted: list[str]
     ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -158,7 +130,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest[Request]]) -> None:
         i = 0
         while i < len(self.waiting) and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = self.waiting[i]
@@ -223,7 +195,7 @@ class Scheduler:
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.loading)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest[Request]:
         block_ids = self.kv.block_ids(request.request_id)
         ctx = request.num_computed_tokens
         samples = ctx + num_new == request.num_tokens
@@ -241,7 +213,7 @@ class Scheduler:
     # -- after the model ran -------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Sequence[int | None]
+        self, output: SchedulerOutput[Request], sampled: Sequence[int | None]
     ) -> list[Request]:
         """Record the step: `sampled[i]` is the token for `output.scheduled[i]` (or None).
 

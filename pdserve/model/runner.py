@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.core_messages import ComputeInfo
-from pdserve.engine.request import TokenLogprob
-from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.batch import ScheduledRequest, SchedulerOutput
 from pdserve.errors import ConfigError
 from pdserve.model import cpu_isa, huge_pages, kv_format
 from pdserve.model.attention import (
@@ -29,6 +27,7 @@ from pdserve.model.attention import (
 from pdserve.model.loader import LoadedModel
 from pdserve.model.ops import select_ops
 from pdserve.model.sampler import sample
+from pdserve.outputs import ComputeInfo, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

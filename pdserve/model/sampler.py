@@ -14,11 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.batch import SequenceState
+from pdserve.outputs import TokenLogprob
 
 
 def sample(
-    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator
+    logits: torch.Tensor, requests: Sequence[SequenceState], generator: torch.Generator
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits [N, V] (the model's dtype), one row per request -> (token ids, logprob
     entries). Logprobs, penalties and draws compute in float32; greedy picks compare the
@@ -45,7 +46,7 @@ def sample(
     return token_list, entries
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SequenceState]) -> torch.Tensor:
     rows = [
         i
         for i, r in enumerate(requests)
@@ -77,7 +78,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, requests: Sequence[SequenceState]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
     logits = logits / temps.unsqueeze(1)
     top_k = [r.params.top_k for r in requests]
@@ -109,7 +110,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _exponential_noise(
-    shape: torch.Size, requests: Sequence[Request], generator: torch.Generator
+    shape: torch.Size, requests: Sequence[SequenceState], generator: torch.Generator
 ) -> torch.Tensor:
     noise = torch.empty(shape, dtype=torch.float32)
     for i, r in enumerate(requests):
@@ -122,7 +123,7 @@ def _exponential_noise(
 
 
 def _logprobs(
-    raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]
+    raw: torch.Tensor, tokens: list[int], requests: Sequence[SequenceState]
 ) -> list[TokenLogprob | None]:
     max_n = max(r.params.logprobs or 0 for r in requests)
     top_vals, top_ids = raw.topk(max(max_n, 1), dim=-1)

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import ProxyConfig, RoutingPolicy
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import PdserveError
 from pdserve.kv_cache.prefix_summary import prompt_chain
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.proxy.pool import Backend, BackendPool
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def make_router(config: ProxyConfig) -> Router:
     wants = RoutingPolicy.CACHE_AWARE in (config.prefill_routing, config.decode_routing)
     reads_prompts = config.model is not None and (wants or config.disagg_min_tokens > 0)
     if reads_prompts and config.model is not None:
-        from pdserve.model.loader import load_tokenizer
+        from pdserve.model.files import load_tokenizer
 
         tokenizer = load_tokenizer(config.model)
     return Router(

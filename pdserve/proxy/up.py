@@ -24,8 +24,8 @@ import uvicorn
 
 from pdserve import logs, tracing
 from pdserve.config import ModelConfig, ProxyConfig
+from pdserve.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
-from pdserve.proxy.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
 from pdserve.proxy.routing import add_routing_args, routing_options
 from pdserve.tls import TLSConfig, make_cluster_certs
 

@@ -70,7 +70,7 @@ class Producer:
             host,
             settings.control_port,
             settings.cluster_secret,
-            lambda: {"freed_after_release_s": list(self.freed_after_release_s)},
+            self._report,
         )
         self.control_url = f"http://{host}:{self.server.port}"
         self._handoff_of: dict[str, str] = {}
@@ -78,9 +78,10 @@ class Producer:
         self._holding: dict[str, float] = {}
         """vLLM request id → its worker deadline (perf_counter), while vLLM holds its blocks."""
         self._free_next: set[str] = set()
-        self.freed_after_release_s: deque[float] = deque(maxlen=10_000)
+        self.freed: deque[tuple[float, float, str]] = deque(maxlen=10_000)
         """For each handoff the table released (a release, an abort, a lease or claim
-        deadline): seconds until vLLM reported its blocks freed. `GET /kv/handoffs`."""
+        deadline): when (time.monotonic, the same clock in every process of the host), the
+        seconds until vLLM reported its blocks freed, and why. `GET /kv/handoffs`."""
         logger.info("pdserve handoffs: control endpoint %s", self.control_url)
 
     # -- the scheduler's hooks (engine thread) -------------------------------------------
@@ -160,7 +161,9 @@ class Producer:
             with self.lock:
                 handoff = self.table.get(handoff_id)
                 if handoff is not None and handoff.state is HandoffState.RELEASED:
-                    self.freed_after_release_s.append(time.monotonic() - handoff.released_at_s)
+                    after_s = time.monotonic() - handoff.released_at_s
+                    reason = str(handoff.release_reason)
+                    self.freed.append((handoff.released_at_s, after_s, reason))
                 elif handoff is not None:
                     claimed = handoff.state is HandoffState.CLAIMED
                     # Without a claim, only vLLM's own lease frees a held request.
@@ -169,6 +172,15 @@ class Producer:
 
     def close(self) -> None:
         self.server.close()
+
+    def _report(self) -> dict[str, Any]:
+        freed = list(self.freed)
+        return {
+            "freed_after_release_s": [after for _, after, _ in freed],
+            "releases": [
+                {"at_s": at, "freed_after_s": after, "reason": why} for at, after, why in freed
+            ],
+        }
 
     def _params_of(self, handoff: Handoff) -> dict[str, Any]:
         return {

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from pdserve.proxy.launch import Node, launch, stop, wait_healthy
-from pdserve.proxy.launch import free_port as free_port  # re-exported for the tests
+from pdserve.launch import Node, launch, stop, wait_healthy
+from pdserve.launch import free_port as free_port  # re-exported for the tests
 
 API_KEY = "test-key"
 

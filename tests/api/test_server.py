@@ -336,7 +336,7 @@ def test_prefix_cache_summary_names_the_blocks_a_prompt_left(server: Server) -> 
     """What the proxy routes by: after a prompt ran, the node's summary holds its full
     blocks, hashed from token ids as the proxy hashes them, and no more."""
     from pdserve.kv_cache.prefix_summary import parse_summary, prompt_chain
-    from pdserve.model.loader import load_tokenizer
+    from pdserve.model.files import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     assert tokenizer is not None

@@ -32,7 +32,7 @@ from pdserve.bench.serve import (
 )
 from pdserve.cli import main
 from pdserve.errors import ConfigError
-from pdserve.proxy.launch import free_port
+from pdserve.launch import free_port
 
 CHUNK_SLEEP_S = 0.01
 MODEL_ID = "fake-model"

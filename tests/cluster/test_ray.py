@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.proxy.launch import free_port, health_status
+from pdserve.launch import free_port, health_status
 from tests.api.conftest import API_KEY
 from tests.disagg.conftest import (
     Cluster,

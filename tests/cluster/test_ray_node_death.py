@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.proxy.launch import health_status
+from pdserve.launch import health_status
 from tests.cluster.test_ray import (
     HEADERS,
     LEASE_S,

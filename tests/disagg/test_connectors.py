@@ -24,6 +24,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+from pdserve.batch import SchedulerOutput
 from pdserve.config import SchedulerConfig
 from pdserve.disagg.connectors import DecodeConnector, PrefillConnector
 from pdserve.disagg.control import ControlClient, ControlError, Handshake
@@ -37,9 +38,10 @@ from pdserve.engine.kv_connector import (
     LoadResult,
     RemoteToken,
 )
-from pdserve.engine.request import Request, RequestStatus, TokenLogprob
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -22,7 +22,7 @@ from pdserve.bench.chaos.netns import (
     NamespaceBed,
     NamespaceUnavailable,
 )
-from pdserve.proxy.launch import free_port
+from pdserve.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
 LISTENER = """

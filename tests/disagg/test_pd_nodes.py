@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.proxy.launch import kill
+from pdserve.launch import kill
 from tests.api.conftest import Server, free_port, start_server, start_servers, stop_server
 from tests.disagg.conftest import (
     HEADERS,

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
 
 TRAINING_TEXT = [

@@ -6,12 +6,14 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from pdserve.batch import SchedulerOutput
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, LoadResult
-from pdserve.engine.request import Request, RequestStatus, RequestTimes
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
 from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.outputs import RequestTimes
 from pdserve.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
+from pdserve.batch import ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.model.arch import ModelArch
 from pdserve.model.cuda_graphs import DecodeGraphRunner, default_batch_sizes
 from pdserve.model.loader import LoadedModel, build_model

@@ -14,7 +14,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.errors import ConfigError, ModelLoadError
-from pdserve.model.loader import default_model_path, load_model
+from pdserve.model.files import default_model_path
+from pdserve.model.loader import load_model
 
 
 def test_dummy_weights_use_the_config_shape_and_generate(tiny_model_dir: Any) -> None:

@@ -46,7 +46,7 @@ def test_chat_template_from_gguf(smollm2_llm: Any) -> None:
 def test_tokenizer_matches_transformers_gguf_conversion(smollm2_llm: Any, tmp_path: Any) -> None:
     import transformers
 
-    from pdserve.model.loader import default_model_path
+    from pdserve.model.files import default_model_path
 
     path = default_model_path()
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -67,7 +67,7 @@ def test_export_to_hf_directory_and_load_it(smollm2_llm: Any, tmp_path: Any) -> 
     """The Hugging Face directory path (safetensors + tokenizer.json) on the real model."""
     from pdserve import LLM
     from pdserve.bench.hf_reference import save_hf_dir
-    from pdserve.model.loader import default_model_path
+    from pdserve.model.files import default_model_path
 
     save_hf_dir(tmp_path, default_model_path())
     from_dir = LLM(str(tmp_path), dtype="float32", num_blocks=64, max_model_len=1024)

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from pdserve.proxy.launch import NodeError, launch, wait_healthy
+from pdserve.launch import NodeError, launch, wait_healthy
 from tests.api.conftest import API_KEY, Server, free_port, stop_server
 from tests.disagg.conftest import cluster  # noqa: F401  (the shared session fixture)
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.proxy.launch import signal_whole
+from pdserve.launch import signal_whole
 from tests.api.conftest import API_KEY, Server, start_server, stop_server
 from tests.disagg.conftest import (
     HEADERS,

@@ -35,7 +35,7 @@ from pdserve.bench.vllm_nodes import (
     stop_vllm_node,
     vllm_unavailable,
 )
-from pdserve.proxy.launch import Node, launch, stop, wait_healthy
+from pdserve.launch import Node, launch, stop, wait_healthy
 from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
 
 pytestmark = [

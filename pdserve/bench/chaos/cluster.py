@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.bench.chaos.netns import NamespaceBed
-from pdserve.proxy.launch import Node, NodeError, kill, launch, stop, stop_all, wait_healthy
+from pdserve.launch import Node, NodeError, kill, launch, stop, stop_all, wait_healthy
 
 
 @dataclass

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.errors import PdserveError
-from pdserve.proxy.launch import Node, free_port
+from pdserve.launch import Node, free_port
 
 PREFILL_LINK_IP = "10.77.0.1"
 """The prefill namespace's end of the node-to-node link: what prefill nodes advertise."""

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.bench.chaos.cluster import Cluster, Slot
 from pdserve.cluster import ray_nodes
 from pdserve.config import ProxyConfig
-from pdserve.proxy.launch import (
+from pdserve.launch import (
     Node,
     NodeError,
     free_port,

@@ -34,7 +34,7 @@ from pdserve.bench.chaos.cluster import Cluster, LocalCluster, Slot
 from pdserve.bench.chaos.netns import NamespaceBed, NamespaceUnavailable
 from pdserve.bench.chaos.report import headline, summary, write_report
 from pdserve.bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
-from pdserve.proxy.launch import sigterm_as_interrupt
+from pdserve.launch import sigterm_as_interrupt
 
 if TYPE_CHECKING:
     from pdserve.bench.chaos.ray_cluster import RayCluster

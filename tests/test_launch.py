@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.proxy import launch
+from pdserve import launch
 
 
 def _range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> None:
