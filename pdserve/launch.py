@@ -120,11 +120,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_terminated = threading.Event()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _terminated.set()
+    raise KeyboardInterrupt
+
+
+def was_terminated() -> bool:
+    """A SIGTERM reached `sigterm_as_interrupt` (a stop asked for, so exit 0; Ctrl-C is
+    an interruption, 130)."""
+    return _terminated.is_set()
 
 
 def wait_healthy(

@@ -82,3 +82,22 @@ def test_log_level_debug_shows_every_health_check(cluster: Cluster, tmp_path: Pa
         wait_until(lambda: log.read_text().count("/health") >= 4, "health checks are logged", 10)
     finally:
         stop_server(proxy)
+
+
+@pytest.mark.parametrize("level", ["warning", "info"])
+def test_a_node_s_engine_process_logs_at_the_node_s_level(
+    cluster: Cluster, tmp_path: Path, level: str
+) -> None:
+    """`--log-level` reaches the engine process too (it logged at INFO whatever was asked),
+    and NIXL's own INFO lines (an agent made) show only when debugging."""
+    log = tmp_path / "node.log"
+    args = node_args(cluster.model, "--role", "decode", "--log-level", level)
+    with log.open("wb") as output:
+        node = launch(args, env={"PDSERVE_LOG_LEVEL": "DEBUG"}, output=output)
+    try:
+        wait_healthy(node, 120)
+    finally:
+        stop_server(node)
+    text = log.read_text()
+    assert ("INFO engine:" in text) == (level == "info"), text[-2000:]
+    assert "NIXL INFO" not in text

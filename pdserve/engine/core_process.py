@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from pdserve import envs, logs
 from pdserve.config import EngineConfig
 from pdserve.engine.core_messages import (
     AbortRequests,
@@ -71,8 +72,7 @@ def run_engine_process(
 ) -> None:
     """Entry point of the child process (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call otherwise
+    logs.configure(envs.log_level(), logs.ENGINE_FORMAT)  # the API process's level
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +25,14 @@ import uvicorn
 
 from pdserve import logs, tracing
 from pdserve.config import ModelConfig, ProxyConfig
-from pdserve.launch import Node, launch, sigterm_as_interrupt, stop_all, wait_healthy
+from pdserve.launch import (
+    Node,
+    launch,
+    sigterm_as_interrupt,
+    stop_all,
+    wait_healthy,
+    was_terminated,
+)
 from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
 from pdserve.proxy.routing import add_routing_args, routing_options
 from pdserve.tls import TLSConfig, make_cluster_certs
@@ -74,6 +82,9 @@ def add_cluster_args(up: argparse.ArgumentParser) -> None:
 
 
 def node_args(args: argparse.Namespace, role: str) -> list[str]:
+    """A node's flags. Its log level is `--log-level` when given, else warning: the console
+    is `up`'s (ready, a node down or back), and a node speaks up only when something is
+    wrong."""
     argv = ["--role", role, "--model", args.model, "--dtype", args.dtype]
     for flag, value in (
         ("--api-key", args.api_key),
@@ -81,7 +92,7 @@ def node_args(args: argparse.Namespace, role: str) -> list[str]:
         ("--max-model-len", args.max_model_len),
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", args.kv_cache_dtype),
-        ("--log-level", args.log_level),
+        ("--log-level", args.log_level or "warning"),
         ("--otlp-endpoint", args.otlp_endpoint),
     ):
         if value is not None:
@@ -100,23 +111,52 @@ def run(args: argparse.Namespace) -> int:
         tls = make_cluster_certs(Path(certs)).config() if args.tls else TLSConfig()
         try:
             for role in roles:
-                nodes.append(launch(node_args(args, role), env, tls=tls))
-            print(
+                nodes.append(launch(node_args(args, role), {**env, **node_env()}, tls=tls))
+            started_s = time.monotonic()
+            header = (
                 f"starting {args.num_prefill} prefill + {args.num_decode} decode node(s) "
-                f"with model {args.model} ...",
-                flush=True,
+                f"with model {args.model}"
             )
-            for node in nodes:
+            progress = Progress(header, len(nodes))
+            for i, node in enumerate(nodes):
                 wait_healthy(node)
+                progress.show(i + 1)
+            progress.done(f"ready in {time.monotonic() - started_s:.1f} s")
             listing = ", ".join(f"{r} {n.url}" for r, n in zip(roles, nodes, strict=True))
             print(f"nodes: {listing}", flush=True)
             prefill = [n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"]
             decode = [n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"]
-            return asyncio.run(serve_proxy(args, prefill, decode, tls))
+            code = asyncio.run(serve_proxy(args, prefill, decode, tls))
         except KeyboardInterrupt:
-            return 130
+            code = 130
         finally:
             stop_all(nodes)
+        # SIGTERM is a stop asked for (systemd, `kill`): 0 once everything stopped; Ctrl-C 130.
+        return 0 if code == 130 and was_terminated() else code
+
+
+def node_env() -> dict[str, str]:
+    """No loading bars from the nodes (two would share one line): `up` draws one."""
+    return {} if logs.debugging() else {"TQDM_DISABLE": "1"}
+
+
+class Progress:
+    """One console line for the cluster's start: rewritten in place on a terminal, written
+    once when done otherwise (a log file gets no carriage returns)."""
+
+    def __init__(self, header: str, total: int) -> None:
+        self.header, self.total = header, total
+        self.tty = sys.stdout.isatty()
+        self.show(0)
+
+    def show(self, num_ready: int) -> None:
+        if self.tty:
+            print(f"\r{self.header}: {num_ready}/{self.total} ready", end="", flush=True)
+
+    def done(self, message: str) -> None:
+        print(
+            f"\r{self.header}: {message}" if self.tty else f"{self.header}: {message}", flush=True
+        )
 
 
 def proxy_config(
