@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from tests.api.conftest import start_server, stop_server
+from tests.api.conftest import free_port, start_server, stop_server
 
 BODY = {"prompt": [100, 200, 300], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
@@ -124,3 +125,22 @@ def test_engine_process_death_turns_into_503s_not_hangs() -> None:
         assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
     finally:
         stop_server(server)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_engine_cannot_start_exits_non_zero_naming_the_cause(
+    tiny_model_dir: Any, tmp_path: Path
+) -> None:
+    """Not a node that listens forever answering 503: it stops, and says why."""
+    import shutil
+    import subprocess
+    import sys
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir("llama"), broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(broken),
+           "--port", str(free_port())]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0
+    assert "cannot read model.safetensors" in done.stderr, done.stderr[-2000:]

@@ -21,6 +21,7 @@ from pdserve.bench.chaos.netns import (
     PREFILL_ROOT_IP,
     NamespaceBed,
     NamespaceUnavailable,
+    remove_stale_beds,
 )
 from pdserve.launch import free_port
 
@@ -112,3 +113,21 @@ def test_netem_delays_the_link_or_says_why_it_cannot(bed: NamespaceBed, port: in
         bed.clear_netem()
     took = connects(bed.decode_ns, PREFILL_LINK_IP, port)
     assert took is not None and took < 0.05
+
+
+def test_namespaces_a_killed_run_left_behind_are_removed_by_the_next(bed: NamespaceBed) -> None:
+    """A run that was SIGKILLed never deleted its namespaces: the next one deletes those
+    whose process is gone (their pid is in their name), and only those."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    orphans = [f"pd{dead}x0-p", f"pd{dead}x0-d"]
+    for name in orphans:
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert sorted(remove_stale_beds()) == sorted(orphans)
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(name in listing for name in orphans)
+        assert bed.prefill_ns in listing and bed.decode_ns in listing  # a live run's stay
+    finally:
+        for name in orphans:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.errors import PdserveError
 from pdserve.launch import Node, free_port
@@ -42,6 +44,27 @@ _beds = itertools.count()
 
 class NamespaceUnavailable(PdserveError):
     """Network namespaces cannot be created here (the message says why)."""
+
+
+_BED_NAME = re.compile(r"^pd(?P<pid>\d+)x\d+-[pd]$")
+
+
+def remove_stale_beds() -> list[str]:
+    """Delete the namespaces of beds whose process is gone (a run that was SIGKILLed never
+    removed its own; they would hold the fixed 10.78.x addresses a new bed needs). Returns
+    the names deleted. The pid is in each name: `pd<pid>x<n>-p|d`."""
+    try:
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    stale = [
+        name
+        for name in (line.split()[0] for line in listing.splitlines() if line.strip())
+        if (match := _BED_NAME.match(name)) and not Path(f"/proc/{match['pid']}").exists()
+    ]
+    for name in stale:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return stale
 
 
 def sh(*cmd: str) -> None:
@@ -73,7 +96,8 @@ class NamespaceBed:
     def create(cls, prefix: str | None = None) -> NamespaceBed:
         if shutil.which("ip") is None:
             raise NamespaceUnavailable("iproute2 (`ip`) is not installed")
-        bed = cls(prefix or f"pd{os.getpid() % 10000}{next(_beds)}")
+        remove_stale_beds()
+        bed = cls(prefix or f"pd{os.getpid()}x{next(_beds)}")
         try:
             bed._build()
         except (subprocess.CalledProcessError, OSError) as e:
