@@ -38,7 +38,8 @@ from pdserve.config import ProxyConfig
 from pdserve.heap import freeze_startup_objects
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.admission import Admission, AdmissionGate
-from pdserve.proxy.legs import Stage, serve_request
+from pdserve.proxy.client import Stage
+from pdserve.proxy.legs import serve_request
 from pdserve.proxy.membership import Membership
 from pdserve.proxy.pool import BackendPool, BreakerState, check_health
 from pdserve.proxy.routing import Router, make_router

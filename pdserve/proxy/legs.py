@@ -43,12 +43,11 @@ Only vLLM's `kv_transfer_params` fields are needed; `release_token` is used when
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -58,16 +57,23 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve.api.caller import (
     ClientGone,
     client_request_id,
-    request_span,
-    unless_gone,
-    wait_disconnect,
 )
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
 from pdserve.errors import PdserveError
+from pdserve.proxy.answers import (
+    forward_error,
+    merge_usage,
+    read_answer,
+    relay_stream,
+    stream_error,
+    streamed,
+    upstream_failure,
+)
 from pdserve.proxy.assembler import StreamAssembler
+from pdserve.proxy.client import Client, Stage
 from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.routing import Prompt
-from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse, UpstreamTimeout
+from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse
 from pdserve.tracing import Span, SpanKind
 
 if TYPE_CHECKING:
@@ -78,55 +84,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Stage(enum.Enum):
-    """Where a request is, as the proxy sees it; the stage of a client's departure."""
-
-    RECEIVING = "receiving"
-    """The request's body had not fully arrived."""
-    PREFILL = "prefill"
-    """The prefill leg is in flight: queued or running on the prefill node."""
-    BETWEEN_LEGS = "between_legs"
-    """The prefill answer is here (handoff held), the decode leg not yet sent."""
-    DECODE = "decode"
-    """The decode leg is sent, its answer's head not yet back: before the first token
-    (queued on the decode node, reading the KV, or its first step). Every decode leg is
-    asked to stream, for clients that did not ask too."""
-    STREAMING = "streaming"
-    """The decode node streams tokens: the KV was read and decoding runs."""
-    ANSWER = "answer"
-    """A decode node that ignored `stream` answers with one JSON body, being read."""
-
-
-class _Client:
-    """Watches one client request for a disconnect (one task for both legs) and knows the
-    stage the request is in."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.request_id = client_request_id(request.headers) or f"pdproxy-{secrets.token_hex(8)}"
-        self.stage = Stage.PREFILL
-        self.span = request_span(request, self.request_id)
-        """The request's trace span: ended by `serve_request`, or by the stream it returns."""
-        self._gone = asyncio.ensure_future(wait_disconnect(request))
-
-    async def unless_gone(self, work: Awaitable[T]) -> T:
-        """Await `work`, or cancel it (closing its upstream connection) and raise ClientGone
-        if the client disconnects first."""
-        return await unless_gone(work, self._gone, _close_if_response)
-
-    @property
-    def gone(self) -> bool:
-        return self._gone.done()
-
-    def close(self) -> None:
-        self._gone.cancel()
-
-
-def _close_if_response(result: object) -> None:
-    if isinstance(result, UpstreamResponse):  # it arrived anyway: close what it opened
-        result.close()
-
-
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:
     body = await _client_body(request)
     if isinstance(body, Response):
@@ -135,7 +92,7 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
         outcome = "client_gone" if body.status_code == 499 else "bad_request"
         state.metrics.requests.labels(outcome).inc()
         return body
-    client = _Client(request)
+    client = Client(request)
     response: Response = Response(status_code=499)
     try:
         response = await _route(state, client, path, body)
@@ -150,7 +107,7 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
     return response
 
 
-async def _route(state: ProxyState, client: _Client, path: str, body: dict[str, Any]) -> Response:
+async def _route(state: ProxyState, client: Client, path: str, body: dict[str, Any]) -> Response:
     """Both legs, or the decode leg alone (selective disaggregation)."""
     prompt = state.router.prompt(body, chat=path == "/v1/chat/completions")
     decode = state.router.choose(state.decode, prompt)
@@ -201,7 +158,7 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
 
 
 async def _prefill_leg(
-    state: ProxyState, client: _Client, path: str, body: dict[str, Any], prompt: Prompt | None
+    state: ProxyState, client: Client, path: str, body: dict[str, Any], prompt: Prompt | None
 ) -> tuple[Backend, dict[str, Any]] | Response:
     leg = {**body, "max_tokens": 1, "stream": False}
     leg.pop("stream_options", None)
@@ -237,7 +194,7 @@ async def _prefill_leg(
             if isinstance(e, Unreachable):
                 backend.record(False)
             logger.warning("prefill leg on %s failed: %s", backend.url, e)
-            last_error = _upstream_failure(backend, e)
+            last_error = upstream_failure(backend, e)
             continue
         finally:
             span.end()
@@ -246,7 +203,7 @@ async def _prefill_leg(
         if status == 200:
             return backend, json.loads(content)
         state.router.failed(backend, sent)
-        last_error = _forward_error(status, content)
+        last_error = forward_error(status, content)
         if status < 500:
             break  # the request itself is at fault: another node would say the same
     state.metrics.requests.labels("upstream_error").inc()
@@ -290,7 +247,7 @@ class _Held:
 
 async def _decode_leg(
     state: ProxyState,
-    client: _Client,
+    client: Client,
     path: str,
     body: dict[str, Any],
     held: _Held,
@@ -331,14 +288,14 @@ async def _decode_leg(
             if isinstance(e, ClientGone):
                 raise
             state.metrics.requests.labels("upstream_error").inc()
-            return _upstream_failure(backend, e)
+            return upstream_failure(backend, e)
         backend.record_leg(response.status < 500)
         if response.status != 200:
             span.end()
             return await _decode_refused(state, response, held)
         state.router.sent(backend, prompt)
         if body.get("stream"):
-            relay = _relay_stream(state, client, backend, response, prefill_usage, started, span)
+            relay = relay_stream(state, client, backend, response, prefill_usage, started, span)
             return StreamingResponse(
                 relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -363,12 +320,12 @@ async def _decode_refused(state: ProxyState, response: UpstreamResponse, held: _
         response.close()
     await held.release()
     state.metrics.requests.labels("upstream_error").inc()
-    return _forward_error(response.status, content)
+    return forward_error(response.status, content)
 
 
 async def _decode_answer(
     state: ProxyState,
-    client: _Client,
+    client: Client,
     backend: Backend,
     response: UpstreamResponse,
     held: _Held,
@@ -379,141 +336,34 @@ async def _decode_answer(
     decode timeout then bounds the silence between tokens, so a long answer that keeps
     coming is never cut, and a node that stops producing is (504). A leg that failed,
     stalled or broke releases its handoff: the node may never get to (a no-op once read)."""
-    client.stage = Stage.STREAMING if _streamed(response) else Stage.ANSWER
+    client.stage = Stage.STREAMING if streamed(response) else Stage.ANSWER
     try:
-        data = await client.unless_gone(_read_answer(response))
+        data = await client.unless_gone(read_answer(response))
     except UpstreamError as e:
         backend.record_leg(False)
         await held.release()
         state.metrics.requests.labels("upstream_error").inc()
-        return _upstream_failure(backend, e)
+        return upstream_failure(backend, e)
     finally:
         response.close()
     state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
     if isinstance(data, StreamAssembler):  # the node gave up mid-stream (drain, operator)
         state.metrics.requests.labels("upstream_error").inc()
-        return _stream_error(data.error or {})
+        return stream_error(data.error or {})
     if isinstance(data.get("usage"), dict):
         data["usage"] = merge_usage(prefill_usage, data["usage"])
     state.metrics.requests.labels("ok").inc()
     return JSONResponse(data)
 
 
-async def _read_answer(response: UpstreamResponse) -> dict[str, Any] | StreamAssembler:
-    """The answer from an SSE body (the assembler itself if an error event ended it), or
-    from one JSON body (a node that does not stream); UpstreamError if neither parses."""
-    if not _streamed(response):
-        return _json_object(await response.read(), response)
-    assembler = StreamAssembler()
-    async for line in response.iter_lines():  # to the end: the connection is then reused
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            assembler.add(_json_object(line[len(b"data: ") :], response))
-    return assembler if assembler.error is not None else assembler.answer()
-
-
-def _streamed(response: UpstreamResponse) -> bool:
-    return response.headers.get(b"content-type", b"").startswith(b"text/event-stream")
-
-
-def _json_object(content: bytes, response: UpstreamResponse) -> dict[str, Any]:
-    try:
-        data = json.loads(content)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise UpstreamError(f"{response.node_url} answered with bad JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise UpstreamError(f"{response.node_url} answered with JSON that is not an object")
-    return data
-
-
-def _stream_error(error: dict[str, Any]) -> Response:
-    """An error event, as the error answer a non-streaming leg would have been."""
-    code = error.get("code")
-    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
-    return JSONResponse({"error": error}, status_code=status)
-
-
-async def _relay_stream(
-    state: ProxyState,
-    client: _Client,
-    backend: Backend,
-    response: UpstreamResponse,
-    prefill_usage: dict[str, Any],
-    started: float,
-    span: Span,
-) -> AsyncIterator[bytes]:
-    """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
-    client left) closes the decode leg's connection, which aborts it on the node. A stream
-    the node ended with an error event (aborted mid-stream: drain timeout, operator) is
-    relayed as it came and counted as an upstream error. Ends the leg's `span` and the
-    request's."""
-    outcome = "client_gone"
-    failed = False
-    try:
-        async for line in response.iter_lines():
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                line = _with_merged_usage(line, prefill_usage)
-            failed = failed or line.startswith(b'data: {"error"')
-            yield line + b"\n"
-        outcome = "upstream_error" if failed else "ok"
-    except UpstreamError as e:  # the node died mid-stream: end the stream with an error
-        outcome = "upstream_error"
-        backend.record_leg(False)
-        error = {
-            "error": {
-                "message": f"decode node {backend.url}: {e}",
-                "type": "upstream_error",
-                "param": None,
-                "code": 502,
-            }
-        }
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        response.close()
-        state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
-        state.metrics.requests.labels(outcome).inc()
-        if outcome == "client_gone":
-            state.record_departure(client.request_id, Stage.STREAMING)
-        span.set("pdserve.outcome", outcome)
-        span.end()
-        client.span.end()
-
-
-def _with_merged_usage(line: bytes, prefill_usage: dict[str, Any]) -> bytes:
-    try:
-        chunk = json.loads(line[len(b"data: ") :])
-    except json.JSONDecodeError:
-        return line
-    if not isinstance(chunk, dict) or not isinstance(chunk.get("usage"), dict):
-        return line
-    chunk["usage"] = merge_usage(prefill_usage, chunk["usage"])
-    return b"data: " + json.dumps(chunk).encode()
-
-
-def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
-    """Prompt and cached tokens from the prefill leg (which computed the prompt), completion
-    tokens from the decode leg."""
-    prompt = int(prefill.get("prompt_tokens", decode.get("prompt_tokens", 0)))
-    completion = int(decode.get("completion_tokens", 0))
-    usage = {
-        **decode,
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    details = prefill.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        usage["prompt_tokens_details"] = details
-    return usage
-
-
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _leg_headers(state: ProxyState, client: _Client, span: Span) -> dict[str, str]:
+def _leg_headers(state: ProxyState, client: Client, span: Span) -> dict[str, str]:
     return {**state.node_headers, "x-request-id": client.request_id, **span.headers()}
 
 
-def _leg_span(client: _Client, name: str, backend: Backend) -> Span:
+def _leg_span(client: Client, name: str, backend: Backend) -> Span:
     span = client.span.child(name, SpanKind.CLIENT)
     span.set("pdserve.node", backend.url)
     return span
@@ -561,20 +411,3 @@ async def release(state: ProxyState, backend: Backend, request_id: str, token: s
         )
     except httpx.HTTPError as e:  # its lease frees it
         logger.warning("release of %s on %s failed: %s", request_id, url, e)
-
-
-def _forward_error(status: int, content: bytes) -> Response:
-    """An upstream error, as the same status in the OpenAI schema."""
-    try:
-        data = json.loads(content)
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            return JSONResponse(data, status_code=status)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        pass
-    text = content[:200].decode("utf-8", "replace") or f"HTTP {status}"
-    return error_response(status, f"upstream node: {text}", "upstream_error")
-
-
-def _upstream_failure(backend: Backend, e: UpstreamError) -> Response:
-    status = 504 if isinstance(e, UpstreamTimeout) else 502
-    return error_response(status, f"{backend.role} node {backend.url}: {e}", "upstream_error")

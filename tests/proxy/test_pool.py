@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.proxy.legs import merge_usage
+from pdserve.proxy.answers import merge_usage
 from pdserve.proxy.pool import DOWN_AFTER, UP_AFTER, BackendPool, _kv_usage
 
 

@@ -4,7 +4,7 @@ the stage each cancel hit, and on the prefill nodes by reason), and request outc
 plan.
 
 The stage of a cancel is the proxy's record of where the request was when it noticed the
-client gone (`pdserve.proxy.legs.Stage`), never the plan's intent. Where the proxy cannot
+client gone (`pdserve.proxy.client.Stage`), never the plan's intent. Where the proxy cannot
 tell stages apart, the label names all it may be; without a record it is unknown.
 """
 
