@@ -86,19 +86,26 @@ class PrefillConnector(KVConnector):
     def __init__(self, transport: KVTransport, layout: KVLayout) -> None:
         self.transport = transport
         self.layout = layout
+        self._held: set[str] = set()  # while any: decode nodes may be reading our blocks
 
     def on_request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
         finished_normally = request.status in (
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         )
-        return (
+        hold = (
             isinstance(request.kv_transfer, RemoteDecode) and finished_normally and bool(block_ids)
         )
+        if hold:
+            self._held.add(request.request_id)
+            self.transport.set_serving(True)
+        return hold
 
     def on_free_held(self, request_ids: Sequence[str]) -> Sequence[str]:
         # Nothing here writes into held blocks: the decode node only reads them, and the
         # handoff table frees them only once no claimed read can still be running.
+        self._held.difference_update(request_ids)
+        self.transport.set_serving(bool(self._held))
         return request_ids
 
     def handshake_info(self) -> NodeKVInfo:

@@ -200,6 +200,11 @@ class KVTransport(abc.ABC):
         """Drop the connection to a peer (dead, restarted under a new name, or done with).
         Reads already in flight to it still end normally first. Unknown names are ignored."""
 
+    def set_serving(self, serving: bool) -> None:
+        """Whether peers may be reading this node's blocks now (it holds handoffs): a
+        transport that must progress the owner's side of a read stays prompt while True."""
+        return  # the in-process copies need no progress
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop the transport; in-flight reads end as described in `read`. Idempotent.

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import pytest
 import torch
@@ -941,14 +941,23 @@ def test_close_waits_for_a_read_in_flight(make_node: Callable[..., DecodeNode]) 
 def test_prefill_connector_holds_only_normally_finished_prefill_legs(
     kv_transfer: KVTransferSpec | None, status: RequestStatus, block_ids: list[int], held: bool
 ) -> None:
+    class Recording(InProcessTransport):
+        serving: ClassVar[list[bool]] = []
+
+        def set_serving(self, serving: bool) -> None:
+            self.serving.append(serving)
+
     name = f"prefill-{next(_agent_ids)}"
-    transport = InProcessTransport(name, torch.zeros(4, 2))
+    transport = Recording(name, torch.zeros(4, 2))
     connector = PrefillConnector(transport, make_layout())
     request = Request("p0", [1, 2, 3], SamplingParams(max_tokens=1), kv_transfer=kv_transfer)
     request.status = status
     try:
         assert connector.on_request_finished(request, block_ids) is held
+        # The transport is told to stay prompt while decode nodes may read held blocks.
+        assert transport.serving == ([True] if held else [])
         assert list(connector.on_free_held(["p0", "p1"])) == ["p0", "p1"]
+        assert transport.serving[-1] is False
     finally:
         connector.close()
     InProcessTransport(name, torch.zeros(4, 2)).close()  # the name is free: it was closed
