@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml bench/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
@@ -19,6 +19,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# NIXL, the P/D data plane: its declared deps are CUDA wheels; on CPU it needs none.
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -m pip install -q --no-deps -e .
+	# The benchmark harnesses (`pdserve bench offline|chaos|...`), a distribution of their own.
+	$(PY) -m pip install -q --no-deps -e bench
 	touch $(STAMP)
 
 # A local proxy + prefill + decode cluster on the default model, one chat request through

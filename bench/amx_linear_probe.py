@@ -15,8 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from pdserve.bench.kernels import best_of
 from pdserve.model import cpu_kernels
+from pdserve_bench.kernels import best_of
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.hf_reference import hf_model_from_gguf
 from pdserve.model.files import default_model_path
+from pdserve_bench.hf_reference import hf_model_from_gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOP = 5

@@ -15,8 +15,8 @@ import argparse
 import statistics
 import sys
 
-from pdserve.bench.offline import Workload, make_workload, pdserve_runner
 from pdserve.model.loader import read_arch
+from pdserve_bench.offline import Workload, make_workload, pdserve_runner
 
 
 def main() -> int:

@@ -100,8 +100,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @cache
 def _default_hf_reference() -> Any:
-    from pdserve.bench.hf_reference import hf_model_from_gguf
     from pdserve.model.files import default_model_path
+    from pdserve_bench.hf_reference import hf_model_from_gguf
 
     model, _ = hf_model_from_gguf(default_model_path(), torch.float32)
     return model

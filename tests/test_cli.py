@@ -7,6 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PDSERVE_LOG_LEVEL": "WARNING"}
@@ -49,3 +51,23 @@ def test_a_node_s_api_process_and_the_proxy_never_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "chaos"], ["bench", "chaos", "--duration-s", "3"], ["bench", "offline", "--help"]],
+)
+def test_without_pdserve_bench_a_harness_says_what_to_install(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harnesses are the pdserve-bench distribution (bench/): a pdserve installed from
+    its wheel alone names them and says how to get them, whatever flags follow."""
+    from pdserve.bench import cli as bench_cli
+    from pdserve.cli import main
+
+    monkeypatch.setattr(bench_cli, "harnesses_installed", lambda: False)
+    with pytest.raises(SystemExit, match="pip install -e bench"):
+        main(argv)
+    with pytest.raises(SystemExit, match="needs the pdserve-bench"):
+        main(["bench", "serve", "--compare", "pdserve", "--concurrency", "1",
+              "--num-prompts", "1", "--input-len", "1", "--output-len", "1"])  # fmt: skip

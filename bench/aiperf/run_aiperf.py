@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from pdserve.bench.routing import wait_all_idle
+from pdserve_bench.routing import wait_all_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 AIPERF = ROOT / "bench" / ".venv-aiperf" / "bin" / "aiperf"

@@ -7,13 +7,13 @@ pdserve is not installed in that virtualenv and llama.cpp is not installed in pd
 
     bench/.venv-llamacpp/bin/python bench/llamacpp/run_llamacpp.py < LINES
 
-The protocol is run_vllm.py's (pdserve/bench/offline.py speaks both). The first line on
+The protocol is run_vllm.py's (bench/pdserve_bench/offline.py speaks both). The first line on
 stdin is the configuration:
     model_path   the GGUF file, as it is (no conversion)
     n_threads    compute threads, for decode and for prompt batches
     n_ctx        the longest prompt + output of the planned workload
     repack       optional, default true: false turns llama.cpp's weight repacking off
-                 (pdserve/bench/llamacpp_amx.py says why and where)
+                 (bench/pdserve_bench/llamacpp_amx.py says why and where)
 
 Once loaded, the script prints {"version", "system_info", "load_s"}. Then each line on stdin
 is a workload {"prompts": token id lists, "output_lens": tokens to generate per request

@@ -16,7 +16,7 @@ REQUEST is one JSON object:
                  sequence; score targets first_target..end-1, each from the logits of the
                  position before it
     repack       optional, default true: false turns llama.cpp's weight repacking off
-                 (pdserve/bench/llamacpp_amx.py says why and where)
+                 (bench/pdserve_bench/llamacpp_amx.py says why and where)
 
 The answer, one JSON line: {"version", "system_info", "seconds", "nll", "top1"}, per scored
 target in order: its negative log-likelihood (float64 log-softmax of llama.cpp's logits)

@@ -39,15 +39,15 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.vllm_nodes import (
+from pdserve.launch import Node, launch, stop, wait_healthy
+from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
+from pdserve_bench.vllm_nodes import (
     kill_node,
     kv_cache_usage,
     launch_vllm_node,
     stop_vllm_node,
     vllm_unavailable,
 )
-from pdserve.launch import Node, launch, stop, wait_healthy
-from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
 
 SECRET = "bench-cluster-secret"
 ADMIN = {"Authorization": f"Bearer {SECRET}"}

@@ -6,7 +6,7 @@ pdserve is not installed in that virtualenv and vLLM is not installed in pdserve
 
     bench/.venv-vllm/bin/python bench/vllm_cpu/run_vllm.py < LINES
 
-Protocol, one JSON object a line (pdserve/bench/offline.py's VllmRunner speaks it). The
+Protocol, one JSON object a line (bench/pdserve_bench/offline.py's VllmRunner speaks it). The
 first line on stdin is the configuration:
     model_dir              a Hugging Face directory (config.json + model.safetensors)
     dtype                  "bfloat16" or "float32"

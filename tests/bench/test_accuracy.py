@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.bench import accuracy
 from pdserve.cli import main
+from pdserve_bench import accuracy
 
 
 @pytest.mark.parametrize("num_tokens", [2, 63, 64, 65, 200, 3879])

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.chaos.checks import check_errors, check_network_faults
-from pdserve.bench.chaos.report import UNKNOWN_STAGE, cancels_by_stage, stage_label
-from pdserve.bench.chaos.run import EXIT_SKIPPED, Fault
-from pdserve.bench.chaos.run import run as run_chaos
-from pdserve.bench.chaos.workload import RequestRecord
 from pdserve.cli import parse_args
+from pdserve_bench.chaos.checks import check_errors, check_network_faults
+from pdserve_bench.chaos.report import UNKNOWN_STAGE, cancels_by_stage, stage_label
+from pdserve_bench.chaos.run import EXIT_SKIPPED, Fault
+from pdserve_bench.chaos.run import run as run_chaos
+from pdserve_bench.chaos.workload import RequestRecord
 from tests.api.conftest import API_KEY
 from tests.disagg.conftest import Cluster as NodeCluster
 from tests.disagg.conftest import (

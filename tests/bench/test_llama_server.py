@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import llama_server, offline
+from pdserve_bench import llama_server, offline
 
 # A stand-in for llama-server: answers /health, then each /completion with `n_predict`
 # tokens (at most 100) after 0.3 s; logs its argv, every body, and the requests in flight.

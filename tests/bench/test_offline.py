@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench import offline
-from pdserve.bench.cli import resolve_dtype_name
 from pdserve.cli import main
+from pdserve_bench import offline
+from pdserve_bench.cli import resolve_dtype_name
 
 
 def test_offline_bench_reports_pdserve_throughput(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import routing
 from pdserve.cli import main
+from pdserve_bench import routing
 from tests.proxy.conftest import chat_model_dir  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.timeout(300)

@@ -360,7 +360,7 @@ def test_compare_starts_each_system_and_reports_side_by_side(
 
 
 def test_compare_refuses_unknown_systems_and_a_url_with_it() -> None:
-    from pdserve.bench.serve_compare import parse_systems
+    from pdserve_bench.serve_compare import parse_systems
 
     with pytest.raises(ConfigError, match="pdserve, vllm"):
         parse_systems("pdserve,sglang")

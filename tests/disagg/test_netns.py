@@ -1,4 +1,4 @@
-"""The namespace test bed (`pdserve.bench.chaos.netns`): two hosts on one machine, the
+"""The namespace test bed (`pdserve_bench.chaos.netns`): two hosts on one machine, the
 decode namespace reaching the prefill one only over their link, which a partition cuts
 and netem degrades. Nodes across it (KV over UCX TCP, S12 failing closed and healing under
 load, netem) run in `bench chaos --netns` (tests/bench/test_chaos.py).
@@ -16,14 +16,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.bench.chaos.netns import (
+from pdserve.launch import free_port
+from pdserve_bench.chaos.netns import (
     PREFILL_LINK_IP,
     PREFILL_ROOT_IP,
     NamespaceBed,
     NamespaceUnavailable,
     remove_stale_beds,
 )
-from pdserve.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
 LISTENER = """

@@ -66,8 +66,8 @@ def test_tokenizer_matches_transformers_gguf_conversion(smollm2_llm: Any, tmp_pa
 def test_export_to_hf_directory_and_load_it(smollm2_llm: Any, tmp_path: Any) -> None:
     """The Hugging Face directory path (safetensors + tokenizer.json) on the real model."""
     from pdserve import LLM
-    from pdserve.bench.hf_reference import save_hf_dir
     from pdserve.model.files import default_model_path
+    from pdserve_bench.hf_reference import save_hf_dir
 
     save_hf_dir(tmp_path, default_model_path())
     from_dir = LLM(str(tmp_path), dtype="float32", num_blocks=64, max_model_len=1024)

@@ -27,7 +27,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.bench.vllm_nodes import (
+from pdserve.launch import Node, launch, stop, wait_healthy
+from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
+from pdserve_bench.vllm_nodes import (
     VllmNode,
     kill_node,
     kv_cache_usage,
@@ -35,8 +37,6 @@ from pdserve.bench.vllm_nodes import (
     stop_vllm_node,
     vllm_unavailable,
 )
-from pdserve.launch import Node, launch, stop, wait_healthy
-from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
 
 pytestmark = [
     pytest.mark.vllm,

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pdserve.bench.chaos.cluster import Cluster, Slot
+from pdserve_bench.chaos.cluster import Cluster, Slot
 
 if TYPE_CHECKING:
-    from pdserve.bench.chaos.run import Fault
-    from pdserve.bench.chaos.workload import RequestRecord
+    from pdserve_bench.chaos.run import Fault
+    from pdserve_bench.chaos.workload import RequestRecord
 
 FAULT_GRACE_S = 2.0
 """A client error this close to a fault is that fault's, not a defect."""

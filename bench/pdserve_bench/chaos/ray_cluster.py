@@ -28,7 +28,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pdserve.bench.chaos.cluster import Cluster, Slot
 from pdserve.cluster import ray_nodes
 from pdserve.config import ProxyConfig
 from pdserve.launch import (
@@ -41,6 +40,7 @@ from pdserve.launch import (
     stop,
     wait_healthy,
 )
+from pdserve_bench.chaos.cluster import Cluster, Slot
 
 NAMESPACE = "pdserve-chaos"
 """The harness's pdserve cluster on the Ray cluster (`--cluster-name` of `ray up`): it

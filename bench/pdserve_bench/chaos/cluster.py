@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdserve.bench.chaos.netns import NamespaceBed
 from pdserve.launch import Node, NodeError, kill, launch, stop, stop_all, wait_healthy
+from pdserve_bench.chaos.netns import NamespaceBed
 
 
 @dataclass

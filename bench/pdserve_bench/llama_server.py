@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import torch
 
-from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 from pdserve.launch import free_port
+from pdserve_bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ def _limits(slots: int) -> httpx.Limits:
 
 def llama_server_runner(args: argparse.Namespace, planned: Any) -> LlamaServerRunner | None:
     """llama-server sized for `planned`, or None (logged) when it is not built."""
-    from pdserve.bench.offline import max_model_len
     from pdserve.model.files import resolve_model_path
+    from pdserve_bench.offline import max_model_len
 
     binary = llama_server_binary()
     if binary is None:

@@ -53,7 +53,7 @@ def add_parser(bench_sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-# -- the stub node (run as `python -m pdserve.bench.proxy stub PORT PARENT_PID`) -------------
+# -- the stub node (run as `python -m pdserve_bench.proxy stub PORT PARENT_PID`) -------------
 
 _PREFILL_ANSWER = json.dumps({
     "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
@@ -197,7 +197,7 @@ def _run(
     """One mode's rows; with `members`, the proxy follows that file (the stub in it) every
     health interval instead of being given the stub's URL."""
     stub_port, proxy_port = free_port(), free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.proxy", "stub", str(stub_port),
+    stub = subprocess.Popen([sys.executable, "-m", "pdserve_bench.proxy", "stub", str(stub_port),
                              str(os.getpid()), *tls.as_args()])  # fmt: skip
     url = f"{tls.scheme}://127.0.0.1:{stub_port}"
     nodes = ["--prefill", url, "--decode", url]

@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import httpx
 
-from pdserve.bench.offline import VLLM_VENV, hf_dir_for, vllm_env
 from pdserve.launch import Node, free_port, signal_tree
+from pdserve_bench.offline import VLLM_VENV, hf_dir_for, vllm_env
 
 CONNECTORS = ("NixlConnector", "PdserveConnector")
 KV_CACHE_BYTES = 256 << 20

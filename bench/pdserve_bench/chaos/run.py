@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pdserve.bench.chaos import checks
-from pdserve.bench.chaos.cluster import Cluster, LocalCluster, Slot
-from pdserve.bench.chaos.netns import NamespaceBed, NamespaceUnavailable
-from pdserve.bench.chaos.report import headline, summary, write_report
-from pdserve.bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
 from pdserve.launch import sigterm_as_interrupt
+from pdserve_bench.chaos import checks
+from pdserve_bench.chaos.cluster import Cluster, LocalCluster, Slot
+from pdserve_bench.chaos.netns import NamespaceBed, NamespaceUnavailable
+from pdserve_bench.chaos.report import headline, summary, write_report
+from pdserve_bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
 
 if TYPE_CHECKING:
-    from pdserve.bench.chaos.ray_cluster import RayCluster
+    from pdserve_bench.chaos.ray_cluster import RayCluster
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _own_cluster(
     """The cluster the harness starts: processes here, or actors on Ray."""
     if not args.ray:
         return LocalCluster(node_args, args.num_prefill, args.num_decode, API_KEY, env, bed)
-    from pdserve.bench.chaos.ray_cluster import RayCluster  # the ray extra
+    from pdserve_bench.chaos.ray_cluster import RayCluster  # the ray extra
 
     if args.ray_address:  # nodes on other hosts: KV over their real interfaces
         env = {k: v for k, v in env.items() if k != "UCX_NET_DEVICES"}

@@ -15,12 +15,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.chaos.checks import is_greedy_checked
+from pdserve_bench.chaos.checks import is_greedy_checked
 
 if TYPE_CHECKING:
-    from pdserve.bench.chaos.cluster import Sample
-    from pdserve.bench.chaos.run import ChaosRun
-    from pdserve.bench.chaos.workload import RequestRecord, Workload
+    from pdserve_bench.chaos.cluster import Sample
+    from pdserve_bench.chaos.run import ChaosRun
+    from pdserve_bench.chaos.workload import RequestRecord, Workload
 
 FAULT_COLORS = {"kill": "red", "sigterm": "orange", "burst": "purple", "partition": "blue",
                 "netem": "cyan", "scale": "green"}  # fmt: skip

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 from pdserve.errors import ConfigError
+from pdserve_bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 
 TEXT_RESOURCE = "accuracy_text.txt"
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -105,7 +105,7 @@ class Result:
 
 def load_text() -> str:
     """The scored text: the data file without its header (lines up to the first blank)."""
-    raw = resources.files("pdserve.bench").joinpath("data", TEXT_RESOURCE).read_text("utf-8")
+    raw = resources.files("pdserve_bench").joinpath("data", TEXT_RESOURCE).read_text("utf-8")
     return raw.split("\n\n", 1)[1]
 
 

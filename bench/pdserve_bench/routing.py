@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.bench.accuracy import load_text
 from pdserve.launch import Node, free_port, launch, stop_all, wait_healthy
+from pdserve_bench.accuracy import load_text
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ROUTER = ROOT / "bench" / ".venv-vllm-router" / "bin" / "vllm-router"

@@ -66,7 +66,7 @@ def start_pdserve(args: argparse.Namespace) -> Node:
 def start_vllm(args: argparse.Namespace) -> Node:
     """vLLM's OpenAI server, launched (not yet healthy). It does not watch this process:
     a SIGKILL of the benchmark leaves it running."""
-    from pdserve.bench.offline import hf_dir_for, vllm_env, vllm_python
+    from pdserve_bench.offline import hf_dir_for, vllm_env, vllm_python
 
     python = vllm_python()
     port = free_port("127.0.0.1")

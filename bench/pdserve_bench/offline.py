@@ -14,7 +14,7 @@ once, then runs each workload it is sent, so its runs alternate with the others'
 
 llama.cpp runs the same GGUF file: one prompt through llama-cpp-python in its virtualenv
 (bench/llamacpp/run_llamacpp.py), more than one through `llama-server --parallel N`
-(pdserve/bench/llama_server.py), where bench/llamacpp/setup_server.sh built it.
+(bench/pdserve_bench/llama_server.py), where bench/llamacpp/setup_server.sh built it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve import envs
-from pdserve.bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
+from pdserve_bench.llamacpp_amx import REPACK_OFF_REASON, repack_allowed
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
 
 
 def hf_runner(args: argparse.Namespace, planned: Workload) -> Runner:
-    from pdserve.bench.hf_reference import hf_model_from_gguf
     from pdserve.model.files import default_model_path
+    from pdserve_bench.hf_reference import hf_model_from_gguf
 
     if args.model != "default":
         raise SystemExit("--compare hf supports --model default (a GGUF) for now")
@@ -324,7 +324,7 @@ def llamacpp_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     """llama.cpp on the same GGUF: `llama-server --parallel N` for concurrent requests
     (bench/llamacpp/setup_server.sh builds it), else, and at batch 1, the Python binding."""
     if len(planned.prompts) > 1:
-        from pdserve.bench.llama_server import LLAMA_SERVER_SETUP, llama_server_runner
+        from pdserve_bench.llama_server import LLAMA_SERVER_SETUP, llama_server_runner
 
         server = llama_server_runner(args, planned)
         if server is not None:
@@ -366,7 +366,7 @@ def hf_dir_for(model: str) -> Path:
     target = HF_EXPORT_CACHE / path.stem
     if (target / "config.json").exists():
         return target
-    from pdserve.bench.hf_reference import save_hf_dir
+    from pdserve_bench.hf_reference import save_hf_dir
 
     print(f"exporting {path.name} to {target} (once) ...")
     target.parent.mkdir(parents=True, exist_ok=True)
