@@ -63,11 +63,17 @@ class RayCluster:
         return done.stdout
 
     def status(self) -> list[dict[str, Any]]:
-        """`pdserve ray status --json`: the proxy's row, then the nodes'."""
-        rows: list[dict[str, Any]] = json.loads(
-            self.cli("status", "--json", "--api-key", API_KEY).strip().splitlines()[-1]
-        )
-        return rows
+        """The rows of `pdserve ray status`: the proxy's, then the nodes'. Read through this
+        process's own Ray connection, made on first use: the CLI (a process that joins Ray
+        each time, ~2 s of CPU) is called where the command itself is under test."""
+        import ray
+
+        from pdserve.cluster import ray_nodes
+
+        if not ray.is_initialized():
+            os.environ["RAY_AUTH_MODE"] = self.env.get("RAY_AUTH_MODE", "disabled")
+            ray_nodes.connect(self.address)
+        return ray_nodes.status_rows()
 
     def nodes(self) -> list[dict[str, Any]]:
         return [r for r in self.status() if r["role"] != "proxy"]
@@ -133,6 +139,9 @@ def ray_up_running(address: str, model: Path, env: dict[str, str]) -> Iterator[R
         assert process.poll() is None, f"pdserve ray up exited with {process.returncode}"
         yield ray_up
     finally:
+        import ray
+
+        ray.shutdown()  # this process's connection (`RayCluster.status`), if it made one
         process.send_signal(signal.SIGINT)
         try:
             process.wait(60)
@@ -152,9 +161,14 @@ def test_pd_through_ray_up_equals_a_single_node(
     ray_cluster: RayCluster,
     cluster: Cluster,  # noqa: F811
 ) -> None:
-    rows = ray_cluster.nodes()
+    cli_rows = json.loads(
+        ray_cluster.cli("status", "--json", "--api-key", API_KEY).strip().splitlines()[-1]
+    )  # the command: every row, and the nodes' KV from their /admin/kv
+    assert cli_rows[0]["role"] == "proxy"
+    rows = [r for r in cli_rows if r["role"] != "proxy"]
     assert sorted(r["role"] for r in rows) == ["decode", "prefill"]
     assert all(r["alive"] and r["url"].startswith("http://") for r in rows)
+    assert all(r["kv_use"] == "0%" and r["num_held_blocks"] == 0 for r in rows)
     for seed in range(3):
         body = completion(make_prompt(40, seed=100 + seed), max_tokens=8)
         expected = token_ids(
@@ -271,31 +285,27 @@ def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
 
 
 def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
-    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+    ray_cluster: RayCluster,
 ) -> None:
     """Idle nodes: decode grows to its minimum of 2 and stays (never below it), prefill
     stays at 1 (idle, at its minimum). Last in the module: the autoscaler runs on."""
     import ray
 
     from pdserve.cluster.autoscale import AutoscaleConfig
-    from pdserve.cluster.ray_nodes import DEFAULT_NAME, find_controller
+    from pdserve.cluster.ray_nodes import find_controller
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address=ray_cluster.address, namespace=DEFAULT_NAME, log_to_driver=False)
-    try:
-        config = AutoscaleConfig(min_decode=2, max_decode=3, interval_s=0.5, cooldown_s=0)
-        ray.get(find_controller().start_autoscaling.remote(config))
-        wait_until(
-            lambda: (
-                sorted(r["role"] for r in ray_cluster.nodes() if r["alive"])
-                == ["decode", "decode", "prefill"]
-            ),
-            180,
-            "decode to reach its minimum of 2",
-        )
-        time.sleep(2)  # several rounds: idle, at the bounds, nothing changes
-        assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "decode", "prefill"]
-        body = completion(make_prompt(20, seed=130), max_tokens=4)
-        assert ray_cluster.ask(body).status_code == 200
-    finally:
-        ray.shutdown()
+    ray_cluster.status()  # joins Ray from this process
+    config = AutoscaleConfig(min_decode=2, max_decode=3, interval_s=0.5, cooldown_s=0)
+    ray.get(find_controller().start_autoscaling.remote(config))
+    wait_until(
+        lambda: (
+            sorted(r["role"] for r in ray_cluster.nodes() if r["alive"])
+            == ["decode", "decode", "prefill"]
+        ),
+        180,
+        "decode to reach its minimum of 2",
+    )
+    time.sleep(2)  # several rounds: idle, at the bounds, nothing changes
+    assert sorted(r["role"] for r in ray_cluster.nodes()) == ["decode", "decode", "prefill"]
+    body = completion(make_prompt(20, seed=130), max_tokens=4)
+    assert ray_cluster.ask(body).status_code == 200
