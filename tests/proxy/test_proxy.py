@@ -4,6 +4,7 @@ S19), dead nodes, and upstream errors forwarded with their status."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -200,21 +201,35 @@ def test_s2_client_gone_while_the_prefill_answer_is_in_flight_releases_it(
 def test_s3_client_gone_between_the_legs_releases_the_handoff(
     cluster: Cluster, proxy_for: Any
 ) -> None:
+    pause_s = 1.0
     proxy = proxy_for(
-        [cluster.prefill.url], [cluster.decode.url], "--debug-delay-between-legs-s", "0.5"
+        [cluster.prefill.url], [cluster.decode.url], "--debug-delay-between-legs-s", str(pause_s)
     )
     released_before = metric(proxy, "pdserve_proxy_releases_total")
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(
-            f"{proxy.url}/v1/completions",
-            json=completion(make_prompt(40, seed=53)),
-            headers={**HEADERS, "X-Request-Id": "s3-client"},
-            timeout=0.25,
-        )
-    handoffs = kv_state(cluster.prefill)["handoffs"]  # held while the proxy pauses
+
+    async def leave_once_held() -> list[dict[str, Any]]:
+        """The client leaves once the prefill node holds its handoff, while the proxy pauses
+        between the legs (a fixed client timeout would leave during a slow prefill leg)."""
+        async with httpx.AsyncClient() as client:
+            request = asyncio.create_task(
+                client.post(f"{proxy.url}/v1/completions",
+                            json=completion(make_prompt(40, seed=53)),
+                            headers={**HEADERS, "X-Request-Id": "s3-client"}, timeout=30)
+            )  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not (
+                handoffs := (await asyncio.to_thread(kv_state, cluster.prefill))["handoffs"]
+            ):
+                assert not request.done() and time.monotonic() < deadline, "no handoff held"
+                await asyncio.sleep(0.02)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            return list(handoffs)
+
+    handoffs = asyncio.run(leave_once_held())
     assert [h["client_request_id"] for h in handoffs] == ["s3-client"]  # the proxy passed it on
-    time.sleep(0.3)  # the pause ends: the proxy finds its client gone
-    wait_idle(cluster.prefill, RELEASED_WITHIN_S + 0.1)
+    wait_idle(cluster.prefill, pause_s + RELEASED_WITHIN_S)  # the pause ends: client gone
     assert metric(proxy, "pdserve_proxy_releases_total") == released_before + 1
     assert kv_state(cluster.decode)["num_running"] == 0  # no decode leg was sent
     assert departures(proxy, "s3-client") == {"s3-client": "between_legs"}
