@@ -9,7 +9,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,11 +43,21 @@ RELEASED_WITHIN_S = RELEASE_BOUND_S + 0.1
 
 @contextlib.contextmanager
 def node(model: Any, *extra: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    server = start_server(*node_args(model, *extra), env=env)
-    try:
+    with nodes((model, extra), env=env) as [server]:
         yield server
+
+
+@contextlib.contextmanager
+def nodes(
+    *specs: tuple[Any, Sequence[str]], env: dict[str, str] | None = None
+) -> Iterator[list[Server]]:
+    """A node per (model, extra flags), started side by side, all stopped afterwards."""
+    servers = start_servers(*(node_args(model, *extra) for model, extra in specs), env=env)
+    try:
+        yield servers
     finally:
-        stop_server(server)
+        for server in servers:
+            stop_server(server)
 
 
 def reference(cluster: Cluster, body: dict[str, Any]) -> list[int]:
@@ -182,27 +192,35 @@ def test_s11_params_from_a_restarted_prefill_node_are_refused_then_recomputed(
         stop_server(new)
 
 
-@pytest.mark.parametrize("mismatch", ["block_size", "kv_cache_dtype", "model"])
-def test_s13_incompatible_nodes_fail_clearly_and_release(
-    cluster: Cluster, tiny_model_dir: Any, mismatch: str
-) -> None:
-    extra, model = {
+@pytest.fixture(scope="module")
+def incompatible_decode_nodes(cluster: Cluster, tiny_model_dir: Any) -> Iterator[dict[str, Server]]:
+    """A decode node per way of not matching the shared prefill node, started side by side."""
+    mismatches = {
         "block_size": (["--block-size", "8"], cluster.model),
         "kv_cache_dtype": (["--kv-cache-dtype", "int8"], cluster.model),
         "model": ([], tiny_model_dir("qwen2")),
-    }[mismatch]
-    with node(model, "--role", "decode", *extra) as other:
-        body = completion(make_prompt(40, seed=13), max_tokens=4)
-        kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
-        response = decode_leg(other, body, kv)
-        assert response.status_code == 502, response.text
-        error = response.json()["error"]
-        assert error["type"] == "kv_transfer_error" and "incompatible" in error["message"]
-        expected_field = "model_fingerprint" if mismatch == "model" else mismatch
-        assert expected_field in error["message"]
-        wait_idle(cluster.prefill, RELEASED_WITHIN_S)
-        wait_idle(other, RELEASED_WITHIN_S)
-        assert httpx.get(f"{other.url}/health").status_code == 200
+    }
+    specs = [(model, ("--role", "decode", *extra)) for extra, model in mismatches.values()]
+    with nodes(*specs) as servers:
+        yield dict(zip(mismatches, servers, strict=True))
+
+
+@pytest.mark.parametrize("mismatch", ["block_size", "kv_cache_dtype", "model"])
+def test_s13_incompatible_nodes_fail_clearly_and_release(
+    cluster: Cluster, incompatible_decode_nodes: dict[str, Server], mismatch: str
+) -> None:
+    other = incompatible_decode_nodes[mismatch]
+    body = completion(make_prompt(40, seed=13), max_tokens=4)
+    kv = prefill_leg(cluster.prefill, body)["kv_transfer_params"]
+    response = decode_leg(other, body, kv)
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["type"] == "kv_transfer_error" and "incompatible" in error["message"]
+    expected_field = "model_fingerprint" if mismatch == "model" else mismatch
+    assert expected_field in error["message"]
+    wait_idle(cluster.prefill, RELEASED_WITHIN_S)
+    wait_idle(other, RELEASED_WITHIN_S)
+    assert httpx.get(f"{other.url}/health").status_code == 200
 
 
 def test_int8_kv_pd_output_equals_its_single_node_in_fewer_bytes(cluster: Cluster) -> None:
@@ -211,11 +229,8 @@ def test_int8_kv_pd_output_equals_its_single_node_in_fewer_bytes(cluster: Cluste
     the same prompt (the scales travel inside the blocks)."""
     transfer_bytes = "pdserve_kv_transfer_bytes_total"
     int8 = ("--kv-cache-dtype", "int8")
-    with (
-        node(cluster.model, "--role", "prefill", *int8) as prefill,
-        node(cluster.model, "--role", "decode", *int8) as decode,
-        node(cluster.model, *int8) as single,
-    ):
+    roles = [("--role", "prefill", *int8), ("--role", "decode", *int8), int8]
+    with nodes(*[(cluster.model, role) for role in roles]) as [prefill, decode, single]:
         body = completion(make_prompt(70, seed=17), max_tokens=8)
         expected = token_ids(post(single, "/v1/completions", body).json())
         kv = prefill_leg(prefill, body)["kv_transfer_params"]
