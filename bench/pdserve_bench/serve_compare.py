@@ -26,11 +26,11 @@ import subprocess
 from pdserve.bench.serve import (
     BenchSummary,
     ServeBenchConfig,
-    failure_lines,
     run_requests,
     summarize,
     wall_duration_s,
 )
+from pdserve.bench.serve_report import failure_lines
 from pdserve.errors import ConfigError
 from pdserve.launch import (
     Node,

@@ -80,6 +80,6 @@ def _serve(args: argparse.Namespace) -> int:
         from pdserve_bench.cli import serve_compare
 
         return serve_compare(args)
-    from pdserve.bench.serve import run
+    from pdserve.bench.serve_report import run
 
     return run(args)
