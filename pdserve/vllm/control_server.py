@@ -42,6 +42,7 @@ from pdserve.disagg.messages import (
 from pdserve.errors import InvalidRequestError
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logging: its format, its level
+SHUTDOWN_POLL_S = 0.05  # how soon close() returns: serve_forever checks this often
 
 MAX_BODY_BYTES = 1 << 20
 SLOW_S = 0.1
@@ -68,7 +69,10 @@ class ControlServer:
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(
-            target=self._http.serve_forever, name="pdserve-control", daemon=True
+            target=self._http.serve_forever,
+            args=(SHUTDOWN_POLL_S,),
+            name="pdserve-control",
+            daemon=True,
         )
         self._thread.start()
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from pdserve.launch import Node, launch, stop, wait_healthy
+from pdserve.launch import Node, launch, stop, stop_all, wait_healthy
 from pdserve.launch import free_port as free_port  # re-exported for the tests
 
 API_KEY = "test-key"
@@ -39,8 +39,7 @@ def start_servers(*arg_lists: list[str], env: dict[str, str] | None = None) -> l
     try:
         return [wait_healthy(s, 180) for s in servers]
     except BaseException:
-        for s in servers:
-            stop_server(s)
+        stop_all(servers)
         raise
 
 

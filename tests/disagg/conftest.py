@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, Server, start_servers, stop_server
+from pdserve.launch import stop_all
+from tests.api.conftest import API_KEY, Server, start_servers
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 BLOCK_SIZE = 16
@@ -141,5 +142,4 @@ def cluster(tiny_model_dir: Any) -> Iterator[Cluster]:
     try:
         yield Cluster(*servers, model=model)  # type: ignore[misc]
     finally:
-        for server in servers:
-            stop_server(server)
+        stop_all(servers)  # side by side: each drains

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.api.conftest import start_servers, stop_server
+from pdserve.launch import stop_all
+from tests.api.conftest import start_servers
 from tests.conftest import save_tiny_hf_model
 from tests.disagg.conftest import (
     Cluster,
@@ -68,9 +69,7 @@ def exact_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
         return clusters[setting]
 
     yield get
-    for cluster in clusters.values():
-        for server in (cluster.prefill, cluster.decode, cluster.single):
-            stop_server(server)
+    stop_all([s for c in clusters.values() for s in (c.prefill, c.decode, c.single)])
 
 
 def choices(data: dict[str, Any]) -> tuple[list[int], list[float], list[Any]]:

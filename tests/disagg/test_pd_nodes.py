@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.launch import kill
+from pdserve.launch import kill, stop_all
 from tests.api.conftest import Server, free_port, start_server, start_servers, stop_server
 from tests.disagg.conftest import (
     HEADERS,
@@ -56,8 +56,7 @@ def nodes(
     try:
         yield servers
     finally:
-        for server in servers:
-            stop_server(server)
+        stop_all(servers)
 
 
 def reference(cluster: Cluster, body: dict[str, Any]) -> list[int]:

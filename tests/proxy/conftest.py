@@ -25,7 +25,7 @@ from starlette.routing import Route
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from pdserve.launch import NodeError, launch, wait_healthy
+from pdserve.launch import NodeError, launch, stop_all, wait_healthy
 from tests.api.conftest import API_KEY, Server, free_port, stop_server
 from tests.disagg.conftest import cluster  # noqa: F401  (the shared session fixture)
 
@@ -79,8 +79,7 @@ def proxy_for() -> Iterator[Any]:
         return started[-1]
 
     yield start
-    for server in started:
-        stop_server(server)
+    stop_all(started)
 
 
 @dataclass
