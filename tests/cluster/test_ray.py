@@ -1,4 +1,4 @@
-"""`pdserve ray up | scale | status` on a real local Ray cluster (`ray start --head`), tiny
+"""`pdserve ray up | scale | status` on a real local Ray cluster (a head on this machine), tiny
 model: P/D greedy output equals a single node's, a killed node actor is restarted by Ray
 and rejoins while the survivors end idle, and scaling decode 1 → 2 → 1 under a steady
 request stream completes every request."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,11 +38,6 @@ pytestmark = pytest.mark.timeout(600)
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LEASE_S = 2.0
-
-
-def _bin(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 @dataclass
@@ -91,30 +85,27 @@ def wait_until(condition: Any, within_s: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(
-    tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RayCluster]:
-    """A Ray head on this machine, and `pdserve ray up` on it (1 prefill, 1 decode)."""
-    import ray
+def ray_cluster(tiny_model_dir: Any) -> Iterator[RayCluster]:
+    """A Ray head on this machine (`ray.cluster_utils`: the GCS and a raylet, as `ray start
+    --head` makes them; `ray stop` took 7 s more to end them), and `pdserve ray up` on it
+    (1 prefill, 1 decode)."""
+    from ray.cluster_utils import Cluster
 
-    port = free_port()
     # One auth mode for the head and every process that joins it (Ray 2.60 may turn token
-    # auth on for `ray start`; a local test cluster needs none).
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING",
-           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
-    temp = tmp_path_factory.mktemp("ray")
-    subprocess.run(
-        [_bin("ray"), "start", "--head", f"--port={port}", "--num-cpus=8", "--num-gpus=0",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-        check=True, env=env, capture_output=True, timeout=120,
-    )  # fmt: skip
-    address = f"{ray.util.get_node_ip_address()}:{port}"
-    with ray_up_running(address, tiny_model_dir("llama"), env) as ray_up:
-        try:
+    # auth on; a local test cluster needs none).
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the head
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING"}
+    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 0})
+    try:
+        with ray_up_running(head.address, tiny_model_dir("llama"), env) as ray_up:
             yield ray_up
-        finally:
-            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True, timeout=120,
-                           env=env)  # fmt: skip
+    finally:
+        head.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous
 
 
 @contextlib.contextmanager
