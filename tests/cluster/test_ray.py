@@ -275,6 +275,34 @@ def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
         wait_until(lambda row=row: node_idle(row["url"]), LEASE_S + 5, "every node idle")
 
 
+@pytest.mark.timeout(400)
+def test_a_ci_sized_chaos_run_on_ray_passes_with_kills_and_scaling(
+    ray_cluster: RayCluster, tiny_model_dir: Any, tmp_path: Any
+) -> None:
+    """`pdserve bench chaos --ray`: the nodes are Ray actors (`pdserve ray up`'s), on this
+    module's Ray head beside its `ray up` cluster (another namespace). A decode and a
+    prefill node are SIGKILLed with their actors and restarted by Ray on new ports, a node
+    is SIGTERMed from outside (it drains; Ray restarts it), and decode is scaled 2 -> 3 -> 2
+    under the load: no violation, and the slots followed the new URLs."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "chaos", "--ray", "--duration-s", "30",
+           "--ray-address", ray_cluster.address,
+           "--model", str(tiny_model_dir("llama")), "--num-prefill", "2", "--num-decode", "2",
+           "--seed", "1", "--rate", "6", "--long-prompt-tokens", "200", "--lease-s", "2",
+           "--report", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=ray_cluster.env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["violations"] == []
+    assert report["mode"].startswith("local cluster on Ray")
+    kinds = sorted(f["kind"] for f in report["faults"])
+    assert kinds == ["burst", "kill", "kill", "scale", "scale", "sigterm"], kinds
+    scales = [f["detail"] for f in report["faults"] if f["kind"] == "scale"]
+    assert scales == ["decode 2 -> 3", "decode 3 -> 2"]
+    assert set(report["skipped"]) == {"partition", "netem"}
+    assert report["greedy_outputs_checked"] > 20
+    assert report["kv_bytes_read"] > 0  # P/D through the restarted nodes' new URLs too
+
+
 def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
     ray_cluster: RayCluster,
 ) -> None:
