@@ -86,22 +86,35 @@ def wait_until(condition: Any, within_s: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster(tiny_model_dir: Any) -> Iterator[RayCluster]:
-    """A Ray head on this machine (`ray.cluster_utils`: the GCS and a raylet, as `ray start
-    --head` makes them; `ray stop` took 7 s more to end them), and `pdserve ray up` on it
-    (1 prefill, 1 decode)."""
-    from ray.cluster_utils import Cluster
+    """A Ray head on this machine with 8 logical CPUs, and `pdserve ray up` on it (1 prefill,
+    1 decode)."""
+    with local_ray(tiny_model_dir("llama"), head_cpus=8) as (_, ray_up):
+        yield ray_up
+
+
+@contextlib.contextmanager
+def local_ray(model: Path, head_cpus: int, workers: int = 0) -> Iterator[tuple[Any, RayCluster]]:
+    """A Ray cluster on this machine (`ray.cluster_utils`: the GCS and raylets, as `ray
+    start` makes them; `ray stop` took 7 s more to end them), `workers` raylets of 1 CPU
+    beside the head, and `pdserve ray up` on it."""
+    from ray.cluster_utils import Cluster as RayLocalCluster
 
     # One auth mode for the head and every process that joins it (Ray 2.60 may turn token
     # auth on; a local test cluster needs none).
     previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the head
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the raylets
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING"}
-    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 0})
+    raylets = RayLocalCluster(
+        initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0}
+    )
     try:
-        with ray_up_running(head.address, tiny_model_dir("llama"), env) as ray_up:
-            yield ray_up
+        for _ in range(workers):
+            raylets.add_node(num_cpus=1, num_gpus=0)
+        raylets.wait_for_nodes()
+        with ray_up_running(raylets.address, model, env) as ray_up:
+            yield raylets, ray_up
     finally:
-        head.shutdown()
+        raylets.shutdown()
         if previous is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:

@@ -5,7 +5,6 @@ proxy's pools, and the cluster serves again."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +16,8 @@ from tests.cluster.test_ray import (
     HEADERS,
     LEASE_S,
     RayCluster,
+    local_ray,
     node_idle,
-    ray_up_running,
     wait_until,
 )
 from tests.disagg.conftest import completion, make_prompt
@@ -28,29 +27,11 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def three_raylets(
-    tiny_model_dir: Any,
-) -> Iterator[tuple[Any, RayCluster]]:
+def three_raylets(tiny_model_dir: Any) -> Iterator[tuple[Any, RayCluster]]:
     """A head without CPUs (the driver and its controller) and two workers of 1 CPU: the
     prefill node on one, the decode node on the other."""
-    from ray.cluster_utils import Cluster
-
-    previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the raylets
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING"}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, num_gpus=0)
-    cluster.wait_for_nodes()
-    try:
-        with ray_up_running(cluster.address, tiny_model_dir("llama"), env) as ray_up:
-            yield cluster, ray_up
-    finally:
-        cluster.shutdown()
-        if previous is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = previous
+    with local_ray(tiny_model_dir("llama"), head_cpus=0, workers=2) as cluster_and_ray_up:
+        yield cluster_and_ray_up
 
 
 def test_a_dead_ray_node_s_decode_node_is_restarted_elsewhere_and_rejoins(
