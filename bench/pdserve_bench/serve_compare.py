@@ -40,6 +40,7 @@ from pdserve.launch import (
     stop,
     wait_healthy,
 )
+from pdserve_bench.keeper import keep
 
 SYSTEMS = ("pdserve", "vllm")
 MODEL_NAME = "bench-model"
@@ -64,8 +65,8 @@ def start_pdserve(args: argparse.Namespace) -> Node:
 
 
 def start_vllm(args: argparse.Namespace) -> Node:
-    """vLLM's OpenAI server, launched (not yet healthy). It does not watch this process:
-    a SIGKILL of the benchmark leaves it running."""
+    """vLLM's OpenAI server, launched (not yet healthy), with a keeper that stops it if this
+    process dies (vLLM has no `--parent-pid`: `keeper.py`)."""
     from pdserve_bench.offline import hf_dir_for, vllm_env, vllm_python
 
     python = vllm_python()
@@ -77,7 +78,9 @@ def start_vllm(args: argparse.Namespace) -> Node:
            "--dtype", args.dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
            "--max-model-len", str(args.input_len + args.output_len + 16),
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    return Node(f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env))
+    server = subprocess.Popen(cmd, env=env)
+    keep(server)
+    return Node(f"http://127.0.0.1:{port}", server)
 
 
 def measure(system: str, args: argparse.Namespace, config: ServeBenchConfig) -> BenchSummary:
