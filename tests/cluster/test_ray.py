@@ -104,12 +104,13 @@ def local_ray(model: Path, head_cpus: int, workers: int = 0) -> Iterator[tuple[A
     previous = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # this process starts the raylets
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PDSERVE_LOG_LEVEL": "WARNING"}
-    raylets = RayLocalCluster(
-        initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0}
-    )
+    # Object stores of 200 MiB, not Ray's default 30% of RAM each: the tests put nothing
+    # big there, and two clusters at once (parallel test runs) exhausted 24 GiB.
+    store = {"num_gpus": 0, "object_store_memory": 200 << 20}
+    raylets = RayLocalCluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, **store})
     try:
         for _ in range(workers):
-            raylets.add_node(num_cpus=1, num_gpus=0)
+            raylets.add_node(num_cpus=1, **store)
         raylets.wait_for_nodes()
         with ray_up_running(raylets.address, model, env) as ray_up:
             yield raylets, ray_up
