@@ -201,15 +201,17 @@ def test_s2_client_gone_while_the_prefill_answer_is_in_flight_releases_it(
 def test_s3_client_gone_between_the_legs_releases_the_handoff(
     cluster: Cluster, proxy_for: Any
 ) -> None:
-    pause_s = 1.0
+    pause_s = 2.0
     proxy = proxy_for(
         [cluster.prefill.url], [cluster.decode.url], "--debug-delay-between-legs-s", str(pause_s)
     )
     released_before = metric(proxy, "pdserve_proxy_releases_total")
 
     async def leave_once_held() -> list[dict[str, Any]]:
-        """The client leaves once the prefill node holds its handoff, while the proxy pauses
-        between the legs (a fixed client timeout would leave during a slow prefill leg)."""
+        """The client leaves in the middle of the proxy's pause between the legs: half the
+        pause after the prefill node holds its handoff (the node holds it just before it
+        answers, so leaving at once could still find the proxy in the prefill leg; a fixed
+        client timeout would leave during a slow prefill leg)."""
         async with httpx.AsyncClient() as client:
             request = asyncio.create_task(
                 client.post(f"{proxy.url}/v1/completions",
@@ -222,6 +224,7 @@ def test_s3_client_gone_between_the_legs_releases_the_handoff(
             ):
                 assert not request.done() and time.monotonic() < deadline, "no handoff held"
                 await asyncio.sleep(0.02)
+            await asyncio.sleep(pause_s / 2)
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await request
@@ -229,7 +232,7 @@ def test_s3_client_gone_between_the_legs_releases_the_handoff(
 
     handoffs = asyncio.run(leave_once_held())
     assert [h["client_request_id"] for h in handoffs] == ["s3-client"]  # the proxy passed it on
-    wait_idle(cluster.prefill, pause_s + RELEASED_WITHIN_S)  # the pause ends: client gone
+    wait_idle(cluster.prefill, pause_s / 2 + RELEASED_WITHIN_S)  # the pause ends: client gone
     assert metric(proxy, "pdserve_proxy_releases_total") == released_before + 1
     assert kv_state(cluster.decode)["num_running"] == 0  # no decode leg was sent
     assert departures(proxy, "s3-client") == {"s3-client": "between_legs"}
