@@ -34,13 +34,14 @@ def main(argv: list[str]) -> int:
     benchmark, server = ParentWatch(int(argv[0])), ParentWatch(int(argv[1]))
     while not server.parent_gone:
         if benchmark.parent_gone:
-            _stop(server.parent_pid, server)
+            _stop(server)
             return 0
         time.sleep(POLL_S)
     return 0
 
 
-def _stop(pid: int, server: ParentWatch) -> None:
+def _stop(server: ParentWatch) -> None:
+    pid = server.parent_pid
     print(f"keeper: the benchmark is gone: stopping process {pid}", file=sys.stderr)
     signal_tree(pid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S

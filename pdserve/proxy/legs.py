@@ -48,7 +48,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import Request
@@ -80,8 +80,6 @@ if TYPE_CHECKING:
     from pdserve.proxy.app import ProxyState
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 async def serve_request(state: ProxyState, request: Request, path: str) -> Response:

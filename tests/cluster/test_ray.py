@@ -58,14 +58,14 @@ class RayCluster:
 
     def status(self) -> list[dict[str, Any]]:
         """The rows of `pdserve ray status`: the proxy's, then the nodes'. Read through this
-        process's own Ray connection, made on first use: the CLI (a process that joins Ray
-        each time, ~2 s of CPU) is called where the command itself is under test."""
+        process's own Ray connection, made on first use (`local_ray` set the auth mode):
+        the CLI (a process that joins Ray each time, ~2 s of CPU) is called where the
+        command itself is under test."""
         import ray
 
         from pdserve.cluster import ray_nodes
 
         if not ray.is_initialized():
-            os.environ["RAY_AUTH_MODE"] = self.env.get("RAY_AUTH_MODE", "disabled")
             ray_nodes.connect(self.address)
         return ray_nodes.status_rows()
 
