@@ -45,17 +45,18 @@ class VllmNode(Node):
 
 def launch_vllm_node(
     role: str,
-    connector: str = "PdserveConnector",
+    connector: str | None = "PdserveConnector",
     extra_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     max_num_seqs: int = 32,
     model: str = "default",
     output: IO[bytes] | None = None,
 ) -> VllmNode:
-    """A vLLM node with `connector` in `role` (kv_producer, kv_consumer); returns at once
-    (`pdserve.launch.wait_healthy` waits: vLLM starts in about a minute here)."""
-    if connector not in CONNECTORS:
-        raise ValueError(f"connector must be one of {CONNECTORS}")
+    """A vLLM node with `connector` in `role` (kv_producer, kv_consumer), or a single node
+    (no connector: `role` is ignored); returns at once (`pdserve.launch.wait_healthy`
+    waits: vLLM starts in about a minute here)."""
+    if connector is not None and connector not in CONNECTORS:
+        raise ValueError(f"connector must be one of {CONNECTORS} or None")
     port, side_channel = free_port(), free_port()
     kv_config: dict[str, Any] = {
         "kv_connector": connector,
@@ -71,8 +72,9 @@ def launch_vllm_node(
         "--model", str(hf_dir_for(model)), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv_config),
     ]  # fmt: skip
+    if connector is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
     node_env = {
         **vllm_env("auto"),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -82,7 +84,7 @@ def launch_vllm_node(
     # Not in a session of its own nor with PR_SET_PDEATHSIG: started that way, its decode
     # legs took 3.8 s instead of 0.5 s here (each claim was sent ~2 s late; cause not traced).
     process = subprocess.Popen(cmd, env=node_env, stdout=output, stderr=output)
-    return VllmNode(f"http://127.0.0.1:{port}", process, role=role, connector=connector)
+    return VllmNode(f"http://127.0.0.1:{port}", process, role=role, connector=connector or "")
 
 
 def stop_vllm_node(node: Node, timeout_s: float = 60.0) -> None:

@@ -84,8 +84,8 @@ def check_idle(cluster: Cluster, lease_s: float) -> list[str]:
         while pending and time.monotonic() < deadline:
             for slot in list(pending):
                 try:
-                    kv = http.get(f"{slot.url}/admin/kv").json()
-                except httpx.HTTPError as e:
+                    kv = cluster.kv_state(http, slot.url)
+                except (httpx.HTTPError, ValueError) as e:
                     last[slot.name] = str(e)
                     continue
                 last[slot.name] = kv

@@ -6,7 +6,9 @@ nodes; with a `NamespaceBed` its prefill and decode nodes run in two network nam
 (two hosts on one machine) and the link between them can be cut or degraded. A
 `RayCluster` (`ray_cluster.py`) is placed and restarted by Ray, and can also be scaled. A
 cluster targeted by URL (`Cluster.targeted`) belongs to someone else: the harness only
-sends requests and reads `/admin/kv`.
+sends requests and reads `/admin/kv`. Its nodes may be vLLM nodes running pdserve's
+`PdserveConnector` (docs/vllm.md): their KV pool is read from vLLM's metrics and their
+handoffs from the connector's control endpoint, which also takes their aborts.
 
 Life of a local node slot: launched → healthy → (SIGKILL: the whole node, API and engine
 processes, as when a machine dies | SIGTERM: it drains and exits) → restarted on the same
@@ -15,14 +17,21 @@ port with the same flags → healthy again. The proxy keeps the slot's URL throu
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from pdserve.launch import Node, NodeError, kill, launch, stop, stop_all, wait_healthy
 from pdserve_bench.chaos.netns import NamespaceBed
+
+
+def bearer(key: str) -> dict[str, str]:
+    """The Authorization header for `key`; none for no key (a node or proxy without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass
@@ -66,6 +75,10 @@ class Cluster:
         """Where the workload sends its direct prefill legs (updated in place when a
         node's URL changes)."""
         self.samples: list[Sample] = []
+        self.vllm_urls: set[str] = set()
+        """Nodes that are vLLM's OpenAI servers, not pdserve nodes."""
+        self.control_urls: dict[str, str] = {}
+        """A vLLM prefill node's URL → its connector's control endpoint."""
         self._stop_sampling = threading.Event()
         self._started_s = time.monotonic()
 
@@ -75,7 +88,31 @@ class Cluster:
 
     @property
     def node_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.node_api_key}"}
+        return bearer(self.node_api_key)
+
+    def admin_url(self, url: str) -> str:
+        """Where the node at `url` takes aborts: itself, or its connector's endpoint."""
+        return self.control_urls.get(url, url)
+
+    def handoffs_url(self, url: str) -> str:
+        """The node's list of live handoffs (`handoffs`, each with `client_request_id`)."""
+        control = self.control_urls.get(url)
+        return f"{control}/kv/handoffs" if control else f"{url}/admin/kv"
+
+    def kv_state(self, http: httpx.Client, url: str) -> dict[str, Any]:
+        """The node's KV pool and handoffs in `/admin/kv`'s shape."""
+        if url not in self.vllm_urls:
+            return dict(http.get(f"{url}/admin/kv").json())
+        control = self.control_urls.get(url)
+        handoffs = http.get(f"{control}/kv/handoffs").json() if control else {}
+        num_blocks, usage = vllm_kv_pool(http.get(f"{url}/metrics").text)
+        return {
+            "num_blocks": num_blocks,
+            "num_free_blocks": num_blocks - round(usage * num_blocks),
+            "num_held_blocks": handoffs.get("num_held_blocks", 0),
+            "num_handoffs": handoffs.get("num_handoffs", 0),
+            "handoffs": handoffs.get("handoffs", []),
+        }
 
     @classmethod
     def targeted(
@@ -92,6 +129,11 @@ class Cluster:
         cluster.reference_url = reference_url.rstrip("/") if reference_url else None
         for url in [s.url for s in cluster.slots] + [cluster.proxy_url]:
             httpx.get(f"{url}/health", timeout=10).raise_for_status()
+        for slot in cluster.slots:
+            if "vllm:kv_cache_usage_perc" in httpx.get(f"{slot.url}/metrics", timeout=10).text:
+                cluster.vllm_urls.add(slot.url)
+                if slot.role == "prefill":
+                    cluster.control_urls[slot.url] = _control_url(slot.url, cluster.node_headers)
         cluster.start_sampling()
         return cluster
 
@@ -107,7 +149,7 @@ class Cluster:
             while not self._stop_sampling.wait(0.1):
                 for slot in list(self.slots):  # a list another thread may replace
                     try:
-                        kv = http.get(f"{slot.url}/admin/kv").json()
+                        kv = self.kv_state(http, slot.url)
                     except (httpx.HTTPError, ValueError):
                         continue  # down or restarting
                     total, held = kv["num_blocks"], kv["num_held_blocks"]
@@ -134,6 +176,43 @@ class Cluster:
 
     def stop(self) -> None:
         self._stop_sampling.set()
+
+
+def vllm_kv_pool(metrics: str) -> tuple[int, float]:
+    """A vLLM node's KV blocks and the share in use, from its Prometheus text: the blocks
+    from `vllm:cache_config_info` (less the null block, never free), the share from
+    `vllm:kv_cache_usage_perc` (0 exactly when nothing is held or running)."""
+    num_blocks = usage = None
+    for line in metrics.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            usage = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:cache_config_info{"):
+            found = re.search(r'num_gpu_blocks="(\d+)"', line)
+            num_blocks = int(found.group(1)) - 1 if found else None
+    if num_blocks is None or usage is None:
+        raise ValueError("no vllm:kv_cache_usage_perc or num_gpu_blocks in vLLM's metrics")
+    return num_blocks, usage
+
+
+def _control_url(url: str, headers: dict[str, str]) -> str:
+    """A vLLM prefill node's control endpoint, as the proxy learns it: from a prefill
+    answer's `kv_transfer_params` (a one-token leg, released at once)."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    answer = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+    answer.raise_for_status()
+    kv = answer.json().get("kv_transfer_params") or {}
+    if not isinstance(kv.get("control_url"), str):
+        raise NodeError(
+            f"{url} is a vLLM node without pdserve's PdserveConnector (docs/vllm.md): nothing "
+            "there releases a handoff or lists the held ones, so the chaos checks cannot run"
+        )
+    control = str(kv["control_url"])
+    release = {
+        "request_ids": [kv.get("remote_request_id")],
+        "release_token": kv.get("release_token"),
+    }
+    httpx.post(f"{control}/v1/abort_requests", json=release, timeout=10)
+    return control
 
 
 class LocalCluster(Cluster):

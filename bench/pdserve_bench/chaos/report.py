@@ -46,7 +46,7 @@ LOCAL_ONLY = (
     "ray_address",
     "ray_node_cpus",
 )
-TARGET_ONLY = ("proxy", "prefill", "decode", "reference")
+TARGET_ONLY = ("proxy", "prefill", "decode", "reference", "unseeded")
 RELEASE_EDGES_MS = (10, 20, 50, 100, 1000)
 
 

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pdserve.launch import sigterm_as_interrupt
+from pdserve.launch import NodeError, sigterm_as_interrupt
 from pdserve_bench.chaos import checks
-from pdserve_bench.chaos.cluster import Cluster, LocalCluster, Slot
+from pdserve_bench.chaos.cluster import Cluster, LocalCluster, Slot, bearer
 from pdserve_bench.chaos.netns import NamespaceBed, NamespaceUnavailable
 from pdserve_bench.chaos.report import headline, summary, write_report
 from pdserve_bench.chaos.workload import ReleaseWatcher, RequestRecord, Workload, generate_load
@@ -86,7 +86,8 @@ def add_parser(bench_sub: Any) -> None:
     target = p.add_argument_group("a running cluster, by URL")
     target.add_argument("--proxy", default=None, metavar="URL", help="its proxy (the clients')")
     target.add_argument("--prefill", action="append", default=[], metavar="URL",
-                        help="a prefill node behind it (repeat for each)")  # fmt: skip
+                        help="a prefill node behind it (repeat for each): pdserve's, or "
+                             "vLLM's running PdserveConnector")  # fmt: skip
     target.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode node behind it (repeat for each)")  # fmt: skip
     target.add_argument("--reference", default=None, metavar="URL",
@@ -94,9 +95,16 @@ def add_parser(bench_sub: Any) -> None:
                              "with (the comparison is skipped without one)")  # fmt: skip
     target.add_argument("--api-key", default=None, help="the proxy's key")
     target.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sampled requests without a seed (vLLM CPU 0.32's engine dies on a seeded "
+        "request whose prompt is prefilled in chunks)",
+    )
+    target.add_argument(
         "--node-api-key",
         default=None,
-        help="the nodes' key (admin views, aborts); default: --api-key",
+        help="the nodes' key (admin views, aborts; on vLLM nodes the connector's cluster "
+        "secret); default: --api-key",
     )
     p.set_defaults(func=run)
 
@@ -151,8 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         try:
             chaos = _prepare(args, bed)
-        except httpx.HTTPError as e:  # a cluster targeted by URL that is not there
-            print(f"bench chaos: cannot reach the cluster: {e}")
+        except (httpx.HTTPError, NodeError) as e:  # a cluster targeted by URL: not there,
+            print(f"bench chaos: cannot use the cluster: {e}")  # or not one it can judge
             return 2
         logger.info("cluster ready after %.1f s", time.monotonic() - started_s)
         try:
@@ -256,10 +264,11 @@ async def _load_and_faults(
 ) -> tuple[list[RequestRecord], Workload]:
     args, cluster = chaos.args, chaos.cluster
     prefill_urls = cluster.prefill_urls  # a live list: Ray restarts change the URLs
-    watcher = ReleaseWatcher(prefill_urls, cluster.node_headers, RELEASE_WATCH_S, cluster.now_s)
+    watcher = ReleaseWatcher(prefill_urls, cluster.node_headers, RELEASE_WATCH_S, cluster.now_s,
+                             cluster.handoffs_url)  # fmt: skip
     workload = Workload(cluster.proxy_url, cluster.api_key, cluster.node_headers, args.seed,
                         _has_chat(cluster), args.long_prompt_tokens, cluster.now_s,
-                        watcher)  # fmt: skip
+                        watcher, cluster.admin_url, not args.unseeded)  # fmt: skip
     rng = random.Random(args.seed)
     plan = _plan(chaos, rng)
     bursts = [t for t, kind, _ in plan if kind == "burst"]
@@ -385,7 +394,7 @@ def _has_chat(cluster: Cluster) -> bool:
     if url is None:
         url, key = cluster.proxy_url, cluster.api_key
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    headers = {"Authorization": f"Bearer {key}"}
+    headers = bearer(key)
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     return response.status_code == 200
 
@@ -410,7 +419,7 @@ def _check(chaos: ChaosRun, records: list[RequestRecord], workload: Workload) ->
 def _departure_stages(chaos: ChaosRun) -> dict[str, str]:
     """X-Request-Id → stage, from the proxy's record of the clients that left."""
     cluster = chaos.cluster
-    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    headers = bearer(cluster.api_key)
     try:
         response = httpx.get(f"{cluster.proxy_url}/admin/departures", headers=headers, timeout=10)
         response.raise_for_status()

@@ -24,10 +24,13 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from pdserve_bench.chaos.cluster import bearer
 
 PLANS = ("complete", "complete", "complete", "cancel", "cancel", "stream_cancel",
          "between_legs", "unauthenticated_abort")  # fmt: skip
@@ -60,7 +63,8 @@ POLL_S = 0.01
 
 @dataclass
 class ReleaseWatcher:
-    """Polls the prefill nodes' `/admin/kv` while some departed request is watched, and
+    """Polls the prefill nodes' handoff lists (`handoffs_url`: pdserve's `/admin/kv`, or
+    a vLLM node's connector endpoint) while some departed request is watched, and
     answers, per request, the time from its departure to the first poll, sent after the
     departure, in which no prefill node lists a handoff with its X-Request-Id: an upper
     bound on the release (by up to a poll round), for the stages that hold a handoff.
@@ -72,6 +76,7 @@ class ReleaseWatcher:
     headers: dict[str, str]
     timeout_s: float
     clock: Any = time.monotonic
+    handoffs_url: Callable[[str], str] = lambda url: f"{url}/admin/kv"
     _waiting: dict[str, tuple[float, asyncio.Future[float | None]]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
 
@@ -111,7 +116,7 @@ class ReleaseWatcher:
 
     async def _held_on(self, http: httpx.AsyncClient, url: str) -> set[str] | None:
         try:
-            response = await http.get(f"{url}/admin/kv", headers=self.headers, timeout=2)
+            response = await http.get(self.handoffs_url(url), headers=self.headers, timeout=2)
             return {row.get("client_request_id") or "" for row in response.json()["handoffs"]}
         except httpx.ConnectError:
             return set()  # down: holds nothing
@@ -131,6 +136,12 @@ class Workload:
     clock: Any
     """Seconds since the run started (the cluster's clock)."""
     watcher: ReleaseWatcher
+    admin_url: Callable[[str], str] = lambda url: url
+    """Where a prefill node takes aborts (a vLLM node: its connector's endpoint)."""
+    seeded: bool = True
+    """Sampled requests carry a `seed` (`--unseeded`: not; vLLM CPU 0.32's engine dies on a
+    seeded request whose prompt is prefilled in chunks: "CPU Generator does not use
+    offset")."""
     records: list[RequestRecord] = field(default_factory=list)
     refused_unauthenticated: int = 0
     accepted_unauthenticated: int = 0
@@ -146,8 +157,9 @@ class Workload:
         greedy = rng.random() < 0.7
         body: dict[str, Any] = {"max_tokens": rng.randint(4, 32), "return_token_ids": True,
                                 "temperature": 0 if greedy else 0.8}  # fmt: skip
-        if not greedy:
-            body["seed"] = rng.randrange(1 << 30)
+        seed = rng.randrange(1 << 30)  # drawn either way: the plans stay those of the seed
+        if not greedy and self.seeded:
+            body["seed"] = seed
         if chat:
             words = " ".join(rng.choice(("sea", "sky", "river", "stone", "tree", "cloud"))
                              for _ in range(length))  # fmt: skip
@@ -237,7 +249,7 @@ class Workload:
         if rng.random() < 0.7:  # a proxy whose client left: release with the token
             release = {"request_ids": [kv.get("remote_request_id")],
                        "release_token": kv.get("release_token")}  # fmt: skip
-            await http.post(f"{node}/v1/abort_requests", json=release,
+            await http.post(f"{self.admin_url(node)}/v1/abort_requests", json=release,
                             headers={"Authorization": ""})  # fmt: skip
         # else: a proxy that died: the lease frees it
 
@@ -250,7 +262,7 @@ class Workload:
         if rng.random() < 0.5:
             body["release_token"] = "forged"
             body["request_ids"] = ["cmpl-anything"]
-        response = await http.post(f"{node}/v1/abort_requests", json=body,
+        response = await http.post(f"{self.admin_url(node)}/v1/abort_requests", json=body,
                                     headers={"Authorization": "Bearer wrong"})  # fmt: skip
         record.status = response.status_code
         if response.status_code in (401, 403):
@@ -265,7 +277,7 @@ async def generate_load(workload: Workload, duration_s: float, rate: float, max_
     """Poisson arrivals at `rate`/s for `duration_s`, at most `max_inflight` at once; at each
     time in `burst_at`, 3 x `max_inflight` long requests at once (KV exhaustion)."""
     rng = random.Random(workload.seed)
-    headers = {"Authorization": f"Bearer {workload.api_key}"}
+    headers = bearer(workload.api_key)
     limits = httpx.Limits(max_connections=4 * max_inflight)
     inflight = asyncio.Semaphore(max_inflight)
     tasks: set[asyncio.Task[None]] = set()
