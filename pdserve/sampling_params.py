@@ -9,6 +9,8 @@ from pdserve.errors import InvalidRequestError
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+"""OpenAI's limit on logit_bias entries."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, each bias added to its token's logit before the pick (after
+    the penalties; logprobs stay the model's own), as OpenAI and vLLM do."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +54,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        object.__setattr__(self, "logit_bias", bias)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -77,6 +84,12 @@ class SamplingParams:
                 "stop_token_ids",
                 "must be non-negative integers",
             ),
+            (
+                all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+                "logit_bias",
+                "must map token ids to biases in [-100, 100]",
+            ),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", "too many entries"),
             (
                 self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                 "seed",

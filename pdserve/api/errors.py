@@ -96,6 +96,10 @@ def validate_body(data: Any, model: type[M]) -> M:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         param = str(first["loc"][0]) if first["loc"] else None
+        if first["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {where}", param=param
+            ) from e
         raise InvalidRequestError(f"{where}: {first['msg']}", param=param) from e
 
 

@@ -1,9 +1,10 @@
 """OpenAI request bodies, validated, and their translation to `SamplingParams`.
 
-Unknown fields are ignored (clients send many); known fields are type-checked by pydantic
-and range-checked by `SamplingParams`, so every bad value becomes a 400 with `param` set.
-Chat messages follow OpenAI's schema (`parse_message`); what pdserve does not serve (tool
-calling, structured output, non-text content) is refused with a 400, never ignored.
+Every field is honoured or refused with a 400 naming it, never ignored: the fields below
+are type-checked by pydantic and range-checked by `SamplingParams`; fields of OpenAI's API
+and vLLM's extensions that pdserve does not serve pass only with values that ask for
+nothing (`fields.screen`); any other field is unrecognized. Chat messages follow OpenAI's
+schema (`parse_message`); tool messages and non-text content are refused the same way.
 """
 
 from __future__ import annotations
@@ -14,16 +15,30 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
+from pdserve.api import fields
+from pdserve.api.fields import NO_TOOLS
 from pdserve.errors import InvalidRequestError
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _document_screened(schema: JsonDict) -> None:
+    """/openapi.json: the fields `fields.screen` passes, with what it does with them."""
+    properties = schema.setdefault("properties", {})
+    assert isinstance(properties, dict)
+    for name, (why, accepted) in fields.NOT_SERVED.items():
+        if name not in properties:
+            allowed = ", ".join("null" if v is None else repr(v) for v in accepted)
+            properties[name] = {"description": f"refused (400) unless {allowed}: {why}"}
+    for name, effect in fields.NO_EFFECT.items():
+        properties.setdefault(name, {"description": f"accepted, changes no output: {effect}"})
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_screened)
 
     model: str | None = None
     n: int = 1
@@ -45,6 +60,17 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     return_token_ids: bool = False
     """vLLM's extension: choices carry `token_ids` (and the response `prompt_token_ids`)."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as OpenAI sends it) → a bias added to its logit."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    kv_transfer_params: dict[str, Any] | None = None
+    """A P/D leg's parameters, read by the node's `NodeLegs` (`pd_legs.py`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        return fields.screen(data, set(cls.model_fields)) if isinstance(data, dict) else data
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -63,11 +89,31 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (id, bias) pairs; a key that is not a token id is a
+    400 (the vocabulary's bound is the engine's check)."""
+    biases: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        if not key.strip().isdigit():
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            )
+        biases[int(key)] = float(bias)
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias"
+        )
+    return tuple(sorted(biases.items()))
 
 
 class CompletionRequest(_SamplingFields):
@@ -93,7 +139,6 @@ class CompletionRequest(_SamplingFields):
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-NO_TOOLS = "pdserve has no tool calling"
 
 
 @dataclass(frozen=True)
@@ -197,7 +242,6 @@ MESSAGE_SCHEMA: JsonDict = {
     },
 }
 """What `parse_message` accepts, as JSON Schema (for /openapi.json)."""
-_NOT_SERVED = "refused (400) unless empty or none: pdserve has no tool calling"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -205,11 +249,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = Field(None, description=_NOT_SERVED)
-    tool_choice: Any = Field(None, description=_NOT_SERVED)
-    functions: Any = Field(None, description=_NOT_SERVED)
-    function_call: Any = Field(None, description=_NOT_SERVED)
-    response_format: Any = Field(None, description='refused (400) unless {"type": "text"}')
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -218,25 +257,6 @@ class ChatCompletionRequest(_SamplingFields):
         if not isinstance(raw, list):
             return raw  # pydantic's own 400: messages must be a list
         return [parse_message(m, i) for i, m in enumerate(raw)]
-
-    @model_validator(mode="after")
-    def _refuse_what_is_not_served(self) -> ChatCompletionRequest:
-        for field, allowed in (
-            ("tools", (None, [])),
-            ("functions", (None, [])),
-            ("tool_choice", (None, "none")),
-            ("function_call", (None, "none")),
-        ):
-            if getattr(self, field) not in allowed:
-                message = f"parameter {field} is not supported: {NO_TOOLS}"
-                raise InvalidRequestError(message, param=field)
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidRequestError(
-                "response_format is not supported: pdserve has no structured output "
-                '(json_object, json_schema); only {"type": "text"}',
-                param="response_format",
-            )
-        return self
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [m.template_input() for m in self.messages]

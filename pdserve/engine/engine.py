@@ -95,6 +95,7 @@ class LLMEngine:
             )
         prompt_ids = self._tokenize(prompt)
         self._check_length(prompt_ids, params)
+        self._check_logit_bias(params)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.arch.eos_token_ids
         now = time.monotonic()
         requests = [
@@ -189,6 +190,15 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.loaded.arch.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}",
+                param="logit_bias",
+            )
 
     def _check_length(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_ids) >= self.max_model_len:

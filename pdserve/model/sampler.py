@@ -2,10 +2,10 @@
 
 Order of operations per row (as vLLM and OpenAI define them):
 raw logprobs (for `logprobs`) → repetition / presence / frequency penalties → min_tokens
-masking of EOS and stop tokens → greedy argmax, or temperature → top-k → top-p → min-p →
-a draw. Draws use the exponential race (argmax of p / Exp(1) is a sample from p), with
-noise from the request's own CPU generator when it has a seed, so a seeded request gives
-the same tokens whatever else shares its batch and on any device.
+masking of EOS and stop tokens → logit_bias → greedy argmax, or temperature → top-k →
+top-p → min-p → a draw. Draws use the exponential race (argmax of p / Exp(1) is a sample
+from p), with noise from the request's own CPU generator when it has a seed, so a seeded
+request gives the same tokens whatever else shares its batch and on any device.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SequenceState]) ->
         if r.params.presence_penalty or r.params.frequency_penalty
         or r.params.repetition_penalty != 1.0
         or r.num_output_tokens < r.params.min_tokens
+        or r.params.logit_bias
     ]  # fmt: skip
     if not rows:
         return logits
@@ -75,6 +76,9 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SequenceState]) ->
         if r.num_output_tokens < p.min_tokens:
             banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab]
             row[banned] = float("-inf")
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
     return logits
 
 

@@ -116,17 +116,21 @@ def test_seeded_sampling_equals_the_single_node(
 
 
 @pytest.mark.parametrize("setting", _settings())
-def test_min_tokens_and_penalties_equal_the_single_node(
+def test_min_tokens_penalties_and_logit_bias_equal_the_single_node(
     exact_clusters: Callable[..., Cluster], setting: Any
 ) -> None:
     """The prefill leg samples its token under the request's own rules (min_tokens masks
-    EOS and stop tokens, penalties apply), though the leg itself stops after one token."""
+    EOS and stop tokens, penalties and logit_bias apply), though the leg itself stops
+    after one token."""
     cluster = exact_clusters(setting)
     body = completion(
         make_prompt(30, seed=4), 10, min_tokens=5, stop_token_ids=[7], repetition_penalty=1.3
     )
     split, whole = split_and_whole(cluster, body)
     assert split == whole
+    banned = {str(whole[0][0]): -100.0, str(whole[0][1]): 4.0}  # the first token, then a boost
+    split, biased = split_and_whole(cluster, {**body, "logit_bias": banned})
+    assert split == biased and biased[0][0] != whole[0][0]
 
 
 def test_a_decode_leg_without_the_first_token_still_answers(

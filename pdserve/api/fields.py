@@ -1,0 +1,93 @@
+"""What a node does with each request field that OpenAI's API or vLLM's extensions define
+beyond the ones it honours (`protocol.py`): refuse it with a 400 naming it, unless its
+value asks for nothing (`false`, `null`, the default), or accept it as a label that
+changes no output (logged once per process).
+
+A field no model and no table here names is refused too, in OpenAI's words
+("Unrecognized request argument supplied: ..."): a typo or a feature this server lacks
+never becomes a 200 that ignores what was asked. docs/api.md lists the three sets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+NO_TOOLS = "pdserve has no tool calling"
+NO_STRUCTURED = "pdserve has no structured output (json_object, json_schema, grammars) yet"
+
+NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    # field: (why, the values that ask for nothing and are accepted)
+    "best_of": ("pdserve returns every sample it draws (use n)", (None, 1)),
+    "suffix": ("pdserve does not insert text (no suffix)", (None, "")),
+    "prompt_logprobs": ("prompt logprobs are not served yet", (None,)),
+    "structured_outputs": (NO_STRUCTURED, (None,)),
+    "guided_json": (NO_STRUCTURED, (None,)),
+    "guided_regex": (NO_STRUCTURED, (None,)),
+    "guided_choice": (NO_STRUCTURED, (None,)),
+    "guided_grammar": (NO_STRUCTURED, (None,)),
+    "guided_decoding_backend": (NO_STRUCTURED, (None,)),
+    "guided_whitespace_pattern": (NO_STRUCTURED, (None,)),
+    "priority": ("requests are served first come, first served", (None, 0)),
+    "chat_template_kwargs": ("the chat template takes no extra arguments", (None, {})),
+    "chat_template": ("the model's own chat template is used", (None,)),
+    "add_generation_prompt": ("the assistant's turn is always opened", (None, True)),
+    "continue_final_message": ("a chat always opens a new assistant turn", (None, False)),
+    "truncate_prompt_tokens": ("prompts are never truncated", (None,)),
+    "allowed_token_ids": ("use logit_bias", (None,)),
+    "bad_words": ("use logit_bias or stop", (None, [])),
+    "use_beam_search": ("pdserve has no beam search", (None, False)),
+    "length_penalty": ("pdserve has no beam search", (None, 1, 1.0)),
+    "spaces_between_special_tokens": ("special tokens decode as they are", (None, True)),
+    "store": ("pdserve stores no completions", (None, False)),
+    "audio": ("pdserve answers in text only", (None,)),
+    "modalities": ("pdserve answers in text only", (None, ["text"])),
+    "prediction": ("pdserve has no predicted outputs", (None,)),
+    "reasoning_effort": ("the model has no reasoning setting", (None,)),
+    "verbosity": ("the model has no verbosity setting", (None,)),
+    "web_search_options": ("pdserve has no web search", (None,)),
+    "tools": (NO_TOOLS, (None, [])),
+    "functions": (NO_TOOLS, (None, [])),
+    "tool_choice": (NO_TOOLS, (None, "none")),
+    "function_call": (NO_TOOLS, (None, "none")),
+    "response_format": (NO_STRUCTURED, (None, {"type": "text"})),
+}
+"""Fields pdserve does not serve: a value other than these is a 400 naming the field."""
+
+NO_EFFECT: dict[str, str] = {
+    "user": "an end user's id, for the operator's own records",
+    "metadata": "labels for stored completions (pdserve stores none)",
+    "safety_identifier": "an end user's id, for the operator's own records",
+    "service_tier": "pdserve has one tier",
+    "prompt_cache_key": "pdserve's prefix cache needs no key: it matches prompts by content",
+    "prompt_cache_retention": "pdserve's prefix cache keeps blocks until it needs the space",
+    "parallel_tool_calls": "it applies to tools, which are refused",
+}
+"""Labels and hints that change no output: accepted, logged once per process."""
+
+_logged: set[str] = set()
+
+
+def screen(data: dict[str, Any], served: set[str]) -> dict[str, Any]:
+    """`data` without the fields that ask for nothing (or only label the request); a 400
+    naming the first field that asks for what is not served. `served`: the fields the
+    request model honours (never screened: `response_format` is served on some routes)."""
+    kept = {}
+    for name, value in data.items():
+        if name in served:
+            kept[name] = value
+        elif name in NOT_SERVED:
+            why, accepted = NOT_SERVED[name]
+            if not any(value == ok and type(value) is type(ok) for ok in accepted):
+                raise InvalidRequestError(f"parameter {name} is not supported: {why}", param=name)
+        elif name in NO_EFFECT:
+            if name not in _logged:
+                _logged.add(name)
+                logger.info("accepted %s, which changes no output: %s", name, NO_EFFECT[name])
+        else:
+            kept[name] = value  # the model refuses it: unrecognized
+    return kept
