@@ -130,7 +130,9 @@ class Cluster:
         for url in [s.url for s in cluster.slots] + [cluster.proxy_url]:
             httpx.get(f"{url}/health", timeout=10).raise_for_status()
         for slot in cluster.slots:
-            if "vllm:kv_cache_usage_perc" in httpx.get(f"{slot.url}/metrics", timeout=10).text:
+            # pdserve's nodes serve vLLM's metric names too; only vLLM lacks /admin/kv.
+            admin = httpx.get(f"{slot.url}/admin/kv", headers=cluster.node_headers, timeout=10)
+            if admin.status_code == 404:
                 cluster.vllm_urls.add(slot.url)
                 if slot.role == "prefill":
                     cluster.control_urls[slot.url] = _control_url(slot.url, cluster.node_headers)
