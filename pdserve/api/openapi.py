@@ -17,11 +17,14 @@ from pydantic import BaseModel
 from starlette.routing import Route
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 ABORT_BODY = {
     "type": "object",
@@ -60,6 +63,8 @@ SUMMARIES = {
     "/v1/completions": "OpenAI completions (SSE when stream is true)",
     "/v1/chat/completions": "OpenAI chat completions (SSE when stream is true)",
     "/v1/models": "the served model",
+    "/tokenize": "a prompt or chat messages to the token ids the engine computes (vLLM's)",
+    "/detokenize": "token ids to text (vLLM's)",
     "/health": "200 when serving, 503 while loading or draining",
     "/metrics": "Prometheus metrics",
     "/admin/kv": "KV pool counters and live handoffs",

@@ -57,6 +57,7 @@ from pdserve.api.openapi import openapi_document
 from pdserve.api.pd_legs import NodeLegs
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.responses import ChoiceBuilder
+from pdserve.api.tokenize import Tokenization
 from pdserve.disagg.params import RemoteDecode
 from pdserve.engine.async_client import AsyncEngineClient
 from pdserve.engine.kv_connector import KVTransferSpec
@@ -92,6 +93,7 @@ class ServerState:
         self.num_inflight = 0
         """HTTP requests whose handling (streams included) has not ended."""
         self.started_s = time.time()
+        self.tokenization = Tokenization(client.config.model.model, model_name)
         client.on_connector_stats = metrics.record_connector_stats
 
 
@@ -123,6 +125,12 @@ def create_app(state: ServerState) -> Starlette:
     async def admin_prefix_cache(request: Request) -> Response:
         return _prefix_cache_view(state, request.query_params.get("since"))
 
+    async def tokenize(request: Request) -> Response:
+        return await state.tokenization.tokenize(request, state.client.max_model_len)
+
+    async def detokenize(request: Request) -> Response:
+        return await state.tokenization.detokenize(request)
+
     async def openapi(request: Request) -> Response:
         title = f"pdserve node ({state.legs.role})"
         return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS))
@@ -133,6 +141,8 @@ def create_app(state: ServerState) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/admin/kv", admin_kv, methods=["GET"]),
             Route("/admin/prefix_cache", admin_prefix_cache, methods=["GET"]),

@@ -32,9 +32,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import logs
 from pdserve.api.auth import bearer_matches
-from pdserve.api.errors import ERROR_HANDLERS, error_response
+from pdserve.api.errors import (
+    ERROR_HANDLERS,
+    MAX_BODY_BYTES,
+    error_response,
+    from_exception,
+    read_json,
+)
 from pdserve.api.openapi import openapi_document
 from pdserve.config import ProxyConfig
+from pdserve.errors import PdserveError
 from pdserve.heap import freeze_startup_objects
 from pdserve.parent_watch import ParentWatch
 from pdserve.proxy.admission import Admission, AdmissionGate
@@ -185,7 +192,10 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         return await serve_request(state, request, "/v1/chat/completions")
 
     async def models(request: Request) -> Response:
-        return await _models(state)
+        return await _pass_through(state, request)
+
+    async def tokenize(request: Request) -> Response:
+        return await _pass_through(state, request)
 
     async def health(request: Request) -> Response:
         counts = {"num_prefill_up": state.prefill.num_up, "num_decode_up": state.decode.num_up}
@@ -222,6 +232,8 @@ def create_proxy_app(state: ProxyState) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", tokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/departures", departures, methods=["GET"]),
@@ -241,15 +253,23 @@ def create_proxy_app(state: ProxyState) -> Starlette:
     return app
 
 
-async def _models(state: ProxyState) -> Response:
-    """`GET /v1/models`: a node's answer, passed through."""
+async def _pass_through(state: ProxyState, request: Request) -> Response:
+    """`GET /v1/models`, `POST /tokenize`, `POST /detokenize`: one node's answer (every
+    node serves the same model), passed through with the node credential."""
     backend = state.decode.choose() or state.prefill.choose()
     if backend is None:
         return error_response(503, "no node is available", "service_unavailable")
     try:
-        response = await state.http.get(
-            f"{backend.url}/v1/models", headers=state.node_headers, timeout=5.0
+        body = await read_json(request, MAX_BODY_BYTES) if request.method == "POST" else None
+        response = await state.http.request(
+            request.method,
+            f"{backend.url}{request.url.path}",
+            json=body,
+            headers=state.node_headers,
+            timeout=30.0,
         )
+    except PdserveError as e:
+        return from_exception(e)
     except httpx.HTTPError as e:
         return error_response(502, f"node {backend.url}: {type(e).__name__}", "upstream_error")
     return Response(response.content, response.status_code, media_type="application/json")

@@ -357,3 +357,41 @@ def test_prefix_cache_summary_names_the_blocks_a_prompt_left(server: Server) -> 
     assert again.json() == {"version": summary["version"], "unchanged": True}
     _assert_error(httpx.get(url, params={"since": "x"}, headers=headers, timeout=5), 400, "since")
     _assert_error(httpx.get(url, timeout=5), 401)
+
+
+# -- /tokenize and /detokenize ------------------------------------------------------------
+
+
+def test_tokenize_counts_what_a_completion_and_a_chat_compute(
+    server: Server, client: openai.OpenAI
+) -> None:
+    prompt = "The capital of France is"
+    tokens = _post(server, "/tokenize", {"prompt": prompt, "return_token_strs": True}).json()
+    done = client.completions.create(model="default", prompt=prompt, max_tokens=1)
+    assert done.usage is not None and tokens["count"] == done.usage.prompt_tokens
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"])
+    assert tokens["max_model_len"] == 2048
+    back = _post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": prompt}
+    chat = _post(server, "/tokenize", {"messages": HELLO}).json()
+    answered = client.chat.completions.create(model="default", messages=HELLO, max_tokens=1)  # type: ignore[arg-type]
+    assert answered.usage is not None and chat["count"] == answered.usage.prompt_tokens
+    assert chat["token_strs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": HELLO}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, None),
+        ("/tokenize", {"prompt": "a", "extra": 1}, 400, "extra"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
+def test_bad_tokenize_bodies_are_4xx(
+    server: Server, path: str, body: Any, status: int, param: str | None
+) -> None:
+    _assert_error(_post(server, path, body), status, param)

@@ -128,6 +128,10 @@ def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_f
     assert httpx.get(f"{proxy.url}/health", timeout=5).json()["num_decode_up"] == 1
     models = httpx.get(f"{proxy.url}/v1/models", headers=HEADERS, timeout=5).json()
     assert models["data"][0]["id"] == str(cluster.model)
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+        through = httpx.post(f"{proxy.url}{path}", json=body, headers=HEADERS, timeout=10)
+        direct = httpx.post(f"{cluster.decode.url}{path}", json=body, headers=HEADERS, timeout=10)
+        assert (through.status_code, through.json()) == (direct.status_code, direct.json())
 
 
 # -- cancellation windows -----------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt, or chat messages
+through the model's chat template, to the token ids the engine computes for them, and ids
+back to text.
+
+    /tokenize    {"prompt": "..."} or {"messages": [...], "add_generation_prompt": true}
+                 → {"count", "max_model_len", "tokens", "token_strs" (with return_token_strs)}
+    /detokenize  {"tokens": [...]} → {"prompt": "..."}
+
+The node's API process loads the model's tokenizer (no weights, no torch: `model/files.py`)
+on the first call, so a node that is never asked pays nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve.api.errors import MAX_BODY_BYTES, from_exception, read_json, validate_body
+from pdserve.api.protocol import ChatMessage, parse_message
+from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+from pdserve.model.tokenizer import Tokenizer
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt (as a completion computes it), false for messages (the
+    chat template writes its own)."""
+    return_token_strs: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _parse_messages(cls, raw: Any) -> Any:
+        if not isinstance(raw, list):
+            return raw
+        return [parse_message(m, i) for i, m in enumerate(raw)]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class Tokenization:
+    """The node's tokenizer for these routes, loaded once on first use."""
+
+    def __init__(self, model: str, model_name: str) -> None:
+        self.model, self.model_name = model, model_name
+        self._lock = asyncio.Lock()
+        self._tokenizer: Tokenizer | None = None
+
+    async def tokenizer(self) -> Tokenizer:
+        async with self._lock:
+            if self._tokenizer is None:
+                from pdserve.model.files import load_tokenizer
+
+                loaded = await asyncio.to_thread(load_tokenizer, self.model)
+                if loaded is None:
+                    raise InvalidRequestError("this model has no tokenizer: it takes token ids")
+                self._tokenizer = loaded
+            return self._tokenizer
+
+    async def tokenize(self, request: Request, max_model_len: int | None) -> Response:
+        try:
+            body = validate_body(await read_json(request, MAX_BODY_BYTES), TokenizeRequest)
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequestError("send either prompt or messages", param="prompt")
+            tok = await self.tokenizer()
+            if body.messages is not None:
+                messages = [m.template_input() for m in body.messages]
+                text = tok.apply_chat_template(messages, body.add_generation_prompt)
+                ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            else:
+                assert body.prompt is not None
+                special = body.add_special_tokens is not False
+                ids = tok.encode(body.prompt, add_special_tokens=special)
+        except PdserveError as e:
+            return from_exception(e)
+        answer: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": max_model_len,
+            "tokens": ids,
+            "token_strs": [tok.id_to_token(t) for t in ids] if body.return_token_strs else None,
+        }
+        return JSONResponse(answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = validate_body(await read_json(request, MAX_BODY_BYTES), DetokenizeRequest)
+            self._check_model(body.model)
+            tok = await self.tokenizer()
+            outside = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"token ids must be in [0, {tok.vocab_size}): {outside[:5]}", param="tokens"
+                )
+        except PdserveError as e:
+            return from_exception(e)
+        return JSONResponse({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, self.model_name):
+            raise StatusError(
+                f"model {model!r} does not exist", status=404, error_type="not_found_error"
+            )
