@@ -116,15 +116,22 @@ def sigterm_as_interrupt() -> Iterator[None]:
     """Inside, SIGTERM takes Ctrl-C's path: KeyboardInterrupt, so the launcher's `finally`
     stops its nodes. Python's default for SIGTERM ends the process on the spot (as
     systemd, a container runtime, `kill PID` or a CI timeout would have it), and uvicorn
-    re-raises a SIGTERM it caught once it has shut down."""
+    re-raises a SIGTERM it caught once it has shut down.
+
+    SIGINT raises KeyboardInterrupt inside too, even where the parent left it ignored: a
+    shell starts a background job (`cmd &` in a script) with SIGINT ignored, and Python
+    then never installs its handler, so `kill -INT` did nothing (`pdserve ray up` outlived
+    it; `pdserve up`'s servers were spared only because uvicorn installs its own)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 _terminated = threading.Event()

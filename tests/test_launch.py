@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,31 @@ def test_without_room_below_the_range_the_kernel_picks(
     _range(monkeypatch, tmp_path, text)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", launch.free_port()))  # free, and bindable
+
+
+STOPPABLE = """
+import sys, time
+from pdserve.launch import sigterm_as_interrupt, was_terminated
+try:
+    with sigterm_as_interrupt():
+        print("ready", flush=True)
+        time.sleep(60)
+except KeyboardInterrupt:
+    sys.exit(0 if was_terminated() else 130)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_launcher_stops_on_sigint_and_sigterm_even_when_its_parent_ignored_sigint(
+    sig: signal.Signals,
+) -> None:
+    """A shell starts a background job (`pdserve ray up &` in a script, a CI step) with
+    SIGINT ignored; the launchers' stop path must not depend on what they inherited."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPABLE],
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    process.send_signal(sig)
+    assert process.wait(10) == (130 if sig == signal.SIGINT else 0)
