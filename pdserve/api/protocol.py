@@ -188,6 +188,14 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
     return ChatMessage("system" if role == "developer" else role, content, name)
 
 
+def parse_messages(cls: Any, raw: Any) -> Any:
+    """A `messages` field's validator (before pydantic's own): each message parsed."""
+    # InvalidRequestError is not a ValueError: pydantic lets it through as it is.
+    if not isinstance(raw, list):
+        return raw  # pydantic's own 400: messages must be a list
+    return [parse_message(m, i) for i, m in enumerate(raw)]
+
+
 def _message_text(content: Any, where: str, assistant: bool) -> str:
     """A message's `content`: a string, or a non-empty list of text parts (an assistant's
     may also hold refusal parts), joined."""
@@ -250,13 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _parse_messages(cls, raw: Any) -> Any:
-        # InvalidRequestError is not a ValueError: pydantic lets it through as it is.
-        if not isinstance(raw, list):
-            return raw  # pydantic's own 400: messages must be a list
-        return [parse_message(m, i) for i, m in enumerate(raw)]
+    _parse_messages = field_validator("messages", mode="before")(parse_messages)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [m.template_input() for m in self.messages]

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api.errors import MAX_BODY_BYTES, from_exception, read_json, validate_body
-from pdserve.api.protocol import ChatMessage, parse_message
+from pdserve.api.protocol import ChatMessage, parse_messages
 from pdserve.errors import InvalidRequestError, PdserveError, StatusError
 from pdserve.model.tokenizer import Tokenizer
 
@@ -37,12 +37,7 @@ class TokenizeRequest(BaseModel):
     chat template writes its own)."""
     return_token_strs: bool = False
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _parse_messages(cls, raw: Any) -> Any:
-        if not isinstance(raw, list):
-            return raw
-        return [parse_message(m, i) for i, m in enumerate(raw)]
+    _parse_messages = field_validator("messages", mode="before")(parse_messages)
 
 
 class DetokenizeRequest(BaseModel):
