@@ -10,7 +10,10 @@ How chunks fold into the answer (the shapes of OpenAI's stream, which nodes foll
         `object` loses its `.chunk` suffix
     usage: the last chunk that has one (the leg asks for `include_usage`)
     choices, by index:
-        delta (chat) → message: `role` the last non-null, text fields joined
+        delta (chat) → message: `role` the last non-null, text fields joined; `tool_calls`
+            merged by their `index` (id, type and name from the chunk that has them,
+            `arguments` joined; the answer's calls in index order, without the index, as
+            a non-streaming answer has them); `function_call` the same, as one call
         text: joined; token_ids: concatenated
         logprobs: each list inside (content, tokens, token_logprobs, ...) concatenated
         anything else (finish_reason, stop_reason, ...): the last non-null value
@@ -75,6 +78,10 @@ def _merge_fields(into: dict[str, Any], new: dict[str, Any]) -> None:
         old = into.get(key)
         if key in JOINED_TEXT and isinstance(value, str):
             into[key] = (old if isinstance(old, str) else "") + value
+        elif key == "tool_calls" and isinstance(value, list):
+            into[key] = _merge_tool_calls(old if isinstance(old, list) else [], value)
+        elif key == "function_call" and isinstance(value, dict):
+            into[key] = _merge_call(old if isinstance(old, dict) else {}, value)
         elif key == "token_ids" and isinstance(value, list):
             into[key] = (old if isinstance(old, list) else []) + value
         elif value is not None or key not in into:
@@ -92,3 +99,29 @@ def _merge_logprobs(old: Any, new: Any) -> Any:
         elif value is not None or key not in old:
             old[key] = copy.deepcopy(value)
     return old
+
+
+def _merge_tool_calls(calls: list[dict[str, Any]], pieces: list[Any]) -> list[dict[str, Any]]:
+    """Stream pieces of tool calls (each with the `index` of its call) folded into whole
+    calls, in index order."""
+    by_index = {i: call for i, call in enumerate(calls)}
+    for piece in pieces:
+        if not isinstance(piece, dict):
+            continue
+        index = piece.get("index")
+        index = index if isinstance(index, int) else len(by_index)
+        fields = {k: v for k, v in piece.items() if k != "index"}
+        by_index[index] = _merge_call(by_index.get(index, {}), fields)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _merge_call(call: dict[str, Any], piece: dict[str, Any]) -> dict[str, Any]:
+    """`arguments` joined (at the top, or in `function`); everything else first non-null."""
+    for key, value in piece.items():
+        if key == "arguments" and isinstance(value, str):
+            call[key] = str(call.get(key) or "") + value
+        elif key == "function" and isinstance(value, dict):
+            call[key] = _merge_call(dict(call.get(key) or {}), value)
+        elif call.get(key) is None:
+            call[key] = value
+    return call

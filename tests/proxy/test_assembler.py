@@ -109,6 +109,43 @@ def test_chat_deltas_fold_into_one_message() -> None:
     ]
 
 
+def test_streamed_tool_calls_fold_into_whole_calls() -> None:
+    """Parallel calls as vLLM streams them (its tool parsers): each call's id, type and name
+    in its first piece, its arguments in pieces, every piece naming its call by `index`.
+    The proxy kept only the last piece, so a non-streaming answer through it lost the
+    arguments (issue 34)."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": "c", "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+    def call(index: int, **fields: Any) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, **fields}]}
+
+    answer = assembled([
+        chunk({"role": "assistant", "content": ""}),
+        chunk(call(0, id="t0", type="function", function={"name": "weather", "arguments": ""})),
+        chunk(call(0, function={"arguments": '{"city": '})),
+        chunk(call(1, id="t1", type="function", function={"name": "clock", "arguments": "{}"})),
+        chunk(call(0, function={"arguments": '"Paris"}'})),
+        chunk({}, "tool_calls"),
+    ])  # fmt: skip
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "t0", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "t1", "type": "function", "function": {"name": "clock", "arguments": "{}"}},
+        ],
+    }  # fmt: skip
+    legacy = assembled([chunk({"function_call": {"name": "f", "arguments": "{"}}),
+                        chunk({"function_call": {"arguments": "}"}})])  # fmt: skip
+    assert legacy["choices"][0]["message"]["function_call"] == {"name": "f", "arguments": "{}"}
+
+
 def _stream(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     assembler = StreamAssembler()
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
