@@ -32,9 +32,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool | None = None
-    """Default: true for a prompt (as a completion computes it), false for messages (the
-    chat template writes its own)."""
+    add_special_tokens: bool = True
+    """The model's BOS where its tokenizer adds one and the text does not start with it,
+    as the engine encodes completion prompts and rendered chats alike (vLLM defaults to
+    false for messages; here the count must be what a chat computes)."""
     return_token_strs: bool = False
 
     _parse_messages = field_validator("messages", mode="before")(parse_messages)
@@ -76,11 +77,10 @@ class Tokenization:
             if body.messages is not None:
                 messages = [m.template_input() for m in body.messages]
                 text = tok.apply_chat_template(messages, body.add_generation_prompt)
-                ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
             else:
                 assert body.prompt is not None
-                special = body.add_special_tokens is not False
-                ids = tok.encode(body.prompt, add_special_tokens=special)
+                text = body.prompt
+            ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
         except PdserveError as e:
             return from_exception(e)
         answer: dict[str, Any] = {
