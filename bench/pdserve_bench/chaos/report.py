@@ -100,6 +100,8 @@ def summary(chaos: ChaosRun, records: list[RequestRecord], workload: Workload,
         "greedy_outputs_checked": greedy_checked,
         "unauthenticated_aborts_refused": workload.refused_unauthenticated,
         "kv_bytes_read": chaos.counters.kv_bytes_read(),
+        # vLLM nodes' KV bytes and release histograms are not counted: pdserve node metrics.
+        "vllm_nodes": sorted(chaos.cluster.vllm_urls),
         "cancels_by_stage": cancels_by_stage(records, chaos.departure_stages),
         "release_histograms": chaos.counters.release_histograms(),
         "violations": violations,
@@ -145,7 +147,9 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
              f"- greedy outputs compared with the reference node: "
              f"{report['greedy_outputs_checked']}",
              f"- unauthenticated aborts refused: {report['unauthenticated_aborts_refused']}",
-             f"- KV read by decode nodes: {report['kv_bytes_read'] / 2**20:.1f} MiB",
+             f"- KV read by decode nodes: {report['kv_bytes_read'] / 2**20:.1f} MiB"
+             + (" (pdserve nodes only: vLLM's export no byte count)"
+                if report["vllm_nodes"] else ""),
              f"- violations: {len(report['violations'])}", ""]  # fmt: skip
     lines += [f"  - {v}" for v in report["violations"]]
     if report["skipped"]:
