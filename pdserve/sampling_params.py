@@ -89,7 +89,11 @@ class SamplingParams:
                 "logit_bias",
                 "must map token ids to biases in [-100, 100]",
             ),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", "too many entries"),
+            (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"takes at most {MAX_LOGIT_BIAS} tokens",
+            ),
             (
                 self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                 "seed",

@@ -75,7 +75,7 @@ _logged: set[str] = set()
 def screen(data: dict[str, Any], served: set[str]) -> dict[str, Any]:
     """`data` without the fields that ask for nothing (or only label the request); a 400
     naming the first field that asks for what is not served. `served`: the fields the
-    request model honours (never screened: `response_format` is served on some routes)."""
+    request model honours, passed as they are."""
     kept = {}
     for name, value in data.items():
         if name in served:

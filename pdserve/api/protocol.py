@@ -17,8 +17,8 @@ from pydantic.json_schema import JsonDict
 
 from pdserve.api import fields
 from pdserve.api.fields import NO_TOOLS
-from pdserve.errors import InvalidRequestError
-from pdserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from pdserve.errors import InvalidRequestError, StatusError
+from pdserve.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -99,9 +99,17 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def check_model(asked: str | None, served: str) -> None:
+    """A request's `model`: none, or the one this server serves (404 otherwise, as OpenAI)."""
+    if asked not in (None, served):
+        raise StatusError(
+            f"model {asked!r} does not exist", status=404, error_type="not_found_error"
+        )
+
+
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` as (id, bias) pairs; a key that is not a token id is a
-    400 (the vocabulary's bound is the engine's check)."""
+    400 (ranges and count are `SamplingParams`' checks, the vocabulary's bound the engine's)."""
     biases: dict[int, float] = {}
     for key, bias in (raw or {}).items():
         if not key.strip().isdigit():
@@ -109,10 +117,6 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
                 f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
             )
         biases[int(key)] = float(bias)
-    if len(biases) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(
-            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias"
-        )
     return tuple(sorted(biases.items()))
 
 

@@ -55,7 +55,7 @@ from pdserve.api.live import LiveRequests
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.openapi import openapi_document
 from pdserve.api.pd_legs import NodeLegs
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
 from pdserve.api.responses import ChoiceBuilder
 from pdserve.api.tokenize import Tokenization
 from pdserve.disagg.params import RemoteDecode
@@ -215,10 +215,7 @@ async def _serve(
                 "the server is starting or draining", status=503, error_type="service_unavailable"
             )
         body: Any = validate_body(data, model)
-        if body.model not in (None, state.model_name):
-            raise StatusError(
-                f"model {body.model!r} does not exist", status=404, error_type="not_found_error"
-            )
+        check_model(body.model, state.model_name)
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
         inputs = _engine_inputs(body, chat)  # before a prefill leg's handoff is minted
         if isinstance(kv, RemoteDecode) and body.stream:

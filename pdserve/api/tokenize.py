@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api.errors import MAX_BODY_BYTES, from_exception, read_json, validate_body
-from pdserve.api.protocol import ChatMessage, parse_messages
-from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+from pdserve.api.protocol import ChatMessage, check_model, parse_messages
+from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.model.tokenizer import Tokenizer
 
 
@@ -70,7 +70,7 @@ class Tokenization:
     async def tokenize(self, request: Request, max_model_len: int | None) -> Response:
         try:
             body = validate_body(await read_json(request, MAX_BODY_BYTES), TokenizeRequest)
-            self._check_model(body.model)
+            check_model(body.model, self.model_name)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequestError("send either prompt or messages", param="prompt")
             tok = await self.tokenizer()
@@ -94,7 +94,7 @@ class Tokenization:
     async def detokenize(self, request: Request) -> Response:
         try:
             body = validate_body(await read_json(request, MAX_BODY_BYTES), DetokenizeRequest)
-            self._check_model(body.model)
+            check_model(body.model, self.model_name)
             tok = await self.tokenizer()
             outside = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
             if outside:
@@ -104,9 +104,3 @@ class Tokenization:
         except PdserveError as e:
             return from_exception(e)
         return JSONResponse({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
-
-    def _check_model(self, model: str | None) -> None:
-        if model not in (None, self.model_name):
-            raise StatusError(
-                f"model {model!r} does not exist", status=404, error_type="not_found_error"
-            )

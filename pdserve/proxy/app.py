@@ -191,10 +191,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await serve_request(state, request, "/v1/chat/completions")
 
-    async def models(request: Request) -> Response:
-        return await _pass_through(state, request)
-
-    async def tokenize(request: Request) -> Response:
+    async def pass_through(request: Request) -> Response:
         return await _pass_through(state, request)
 
     async def health(request: Request) -> Response:
@@ -231,9 +228,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/detokenize", tokenize, methods=["POST"]),
+            Route("/v1/models", pass_through, methods=["GET"]),
+            Route("/tokenize", pass_through, methods=["POST"]),
+            Route("/detokenize", pass_through, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/departures", departures, methods=["GET"]),

@@ -103,8 +103,8 @@ class Cluster:
         """The node's KV pool and handoffs in `/admin/kv`'s shape."""
         if url not in self.vllm_urls:
             return dict(http.get(f"{url}/admin/kv").json())
-        control = self.control_urls.get(url)
-        handoffs = http.get(f"{control}/kv/handoffs").json() if control else {}
+        has_handoffs = url in self.control_urls  # a prefill node: its connector lists them
+        handoffs = http.get(self.handoffs_url(url)).json() if has_handoffs else {}
         num_blocks, usage = vllm_kv_pool(http.get(f"{url}/metrics").text)
         return {
             "num_blocks": num_blocks,
