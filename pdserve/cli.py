@@ -73,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "in their blocks; none: dequantize at load; q8_0/q4_0/q4_1: every linear in that format",
     )
     g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="one kernel per linear at every batch size, so a request's output does not "
+        "depend on what else runs with it (bf16 included); slower prefill at large batches",
+    )
+    g.add_argument(
         "--kv-cache-dtype",
         default=CacheConfig.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
@@ -96,6 +102,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "kernels": args.kernels,
         "quantization": args.quantization,
+        "batch_invariant": args.batch_invariant,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
 

@@ -58,6 +58,14 @@ class ModelConfig:
     everything; `q8_0`/`q4_0`/`q4_1`: every linear in that format (quantized at load where
     the checkpoint has another) and the embedding table (the LM head when tied) in Q8_0,
     as llama.cpp keeps it; needs the CPU kernels."""
+    batch_invariant: bool = False
+    """Compute every sequence's numbers the same way whatever else is in its step: each
+    linear takes one kernel for every row count (AMX tiles where the CPU has them, else
+    the weight-streaming loop; never oneDNN/MKL, which pick kernels by shape), so a
+    request's tokens and logprobs do not depend on its batch, its prefill chunks or
+    prefix-cache hits. Greedy output then equals the same request alone in bf16 too,
+    which `pdserve bench chaos` relies on. Costs prefill speed at large batches
+    (docs/benchmarks.md); needs the CPU kernels and dense weights."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -76,6 +84,16 @@ class ModelConfig:
         _require(
             self.max_model_len is None or self.max_model_len >= 2,
             f"max_model_len must be >= 2, got {self.max_model_len}",
+        )
+        _require(
+            not self.batch_invariant or self.quantization in ("auto", "none"),
+            f"batch_invariant computes on dense weights; quantization {self.quantization} "
+            "keeps them in blocks, whose kernel changes with the row count",
+        )
+        _require(
+            not self.batch_invariant or self.kernels == "auto",
+            f"batch_invariant needs the CPU kernels (kernels auto); with kernels "
+            f"{self.kernels} PyTorch picks each GEMM's kernel by its shape",
         )
 
 

@@ -98,6 +98,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_kernels_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama whose head size (32) and widths fit the fused CPU kernels: where the
+    kernel paths must run (exactness, batch invariance, chaos's `--batch-invariant`)."""
+    return save_tiny_hf_model(
+        tmp_path_factory.mktemp("tiny-kernels"), "llama", hidden_size=128, intermediate_size=256
+    )
+
+
 @cache
 def _default_hf_reference() -> Any:
     from pdserve.model.files import default_model_path

@@ -47,7 +47,8 @@ def add_parsers(bench_sub: Any) -> None:
         help="comma-separated peers: hf, vllm, llamacpp (the same GGUF: llama-server "
         "--parallel N for N prompts, where bench/llamacpp/setup_server.sh built it, else one "
         "request at a time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights "
-        "dequantized), kv-int8 (pdserve with the 8-bit KV cache)",
+        "dequantized), kv-int8 (pdserve with the 8-bit KV cache), batch-invariant (pdserve "
+        "with --batch-invariant)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(

@@ -135,6 +135,8 @@ def pdserve_runner(
         name += f"-{quantization}"
     if llm.engine.config.cache.kv_cache_dtype != args.kv_cache_dtype:
         name += f"-kv-{llm.engine.config.cache.kv_cache_dtype}"
+    if llm.engine.config.model.batch_invariant:
+        name += "-batch-invariant"
     run.name = name  # type: ignore[attr-defined]
     run.quantization = llm.engine.loaded.quantization  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
@@ -165,6 +167,12 @@ def pdserve_dense_runner(args: argparse.Namespace, planned: Workload) -> Runner:
 def pdserve_kv_int8_runner(args: argparse.Namespace, planned: Workload) -> Runner:
     """pdserve with the 8-bit KV cache: what it gains on a KV-bound (mixed) workload."""
     return pdserve_runner(args, planned, kv_cache_dtype="int8")
+
+
+def pdserve_batch_invariant_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """pdserve with `--batch-invariant`: what one kernel per linear and decode-kernel
+    attention for every row cost."""
+    return pdserve_runner(args, planned, batch_invariant=True)
 
 
 def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
@@ -387,6 +395,7 @@ PEERS: dict[str, PeerFactory] = {
     "torch": pdserve_torch_runner,
     "dense": pdserve_dense_runner,
     "kv-int8": pdserve_kv_int8_runner,
+    "batch-invariant": pdserve_batch_invariant_runner,
     "vllm": VllmRunner,
     "llamacpp": llamacpp_runner,
 }

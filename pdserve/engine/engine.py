@@ -60,6 +60,7 @@ class LLMEngine:
             config.model.seed,
             config.model.kernels,
             cache_dtype,
+            config.model.batch_invariant,
         )
         self.connector = (
             connector_factory(self.loaded, self.runner.kv_cache, cache.block_size)

@@ -185,6 +185,8 @@ def plan_quantization(
     asked = cfg.quantization
     if asked == "none":
         return {}, "none (asked)"
+    if cfg.batch_invariant:  # ModelConfig refuses an explicit format with it
+        return {}, "none (auto: batch_invariant computes on dense weights)"
     from pdserve.model import cpu_kernels
     from pdserve.model.ops import cpu_kernels_for
 

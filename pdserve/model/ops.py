@@ -169,16 +169,19 @@ class CpuKernelOps(TorchOps):
     name = "cpu-kernels"
     paged_decode = True
 
-    def __init__(self, kernels: cpu_kernels.CpuKernels) -> None:
+    def __init__(self, kernels: cpu_kernels.CpuKernels, batch_invariant: bool = False) -> None:
         self.k = kernels
         self.dtype = kernels.dtype
+        self.batch_invariant = batch_invariant
+        """ModelConfig.batch_invariant: every linear on one kernel (`CpuKernels.route`)."""
         self.one_call = True
         """False runs every step per op (what `pdserve bench kernels` compares against)."""
         self._layer_tables: dict[tuple[int, int, bool], Any] = {}
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.k.isa.label})"
+        invariant = ", batch-invariant" if self.batch_invariant else ""
+        return f"{self.name} ({self.k.isa.label}{invariant})"
 
     def run_layers(
         self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
@@ -187,12 +190,14 @@ class CpuKernelOps(TorchOps):
         """A decode-only step runs all layers in one kernel call (`pd_decode_layers`: the
         same kernels on the same values as the per-op path, so bit-identical) when its rows
         fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
-        prefill chunk in the step, more rows) runs per op."""
+        prefill chunk in the step, more rows) runs per op. Batch-invariant: the AMX table
+        at every row count (the kernel `route` gives every linear)."""
         t = x.shape[0]
-        amx = t > self.k.small_m and not model.quantized
+        amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
         limit = QUANT_MAX_M if model.quantized else self.k.max_one_call_m
+        one_call = self.one_call and not (self.batch_invariant and t == 1 and self.k.one_row_loop)
         table = None
-        if self.one_call and not meta.prefills and t <= limit:
+        if one_call and not meta.prefills and t <= limit:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)
@@ -221,9 +226,9 @@ class CpuKernelOps(TorchOps):
                 return self.k.linear_quant(x, layer)
             dense = self.k.dequantize(layer.qweight, layer.qtype, layer.in_features)
             return F.linear(x, dense, layer.bias)
-        route = self.k.route(x, layer.weight)
+        route = self.k.route(x, layer.weight, self.batch_invariant)
         if route == "small":
-            return self.k.linear(x, layer.weight, layer.bias)
+            return self.k.linear(x, layer.weight, layer.bias, self.batch_invariant)
         if route == "amx":
             return self.k.linear_amx(x, _amx_weight(self.k, layer), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
@@ -340,8 +345,16 @@ dequantize the layer and run oneDNN/MKL. [measured in docs/benchmarks.md]"""
 TORCH_OPS = TorchOps()
 
 
-def select_ops(choice: str, device: torch.device, dtype: torch.dtype, arch: Any) -> TorchOps:
+def select_ops(
+    choice: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: Any,
+    batch_invariant: bool = False,
+) -> TorchOps:
     """The fastest backend this machine and model allow; `choice="torch"` forces PyTorch.
+    `batch_invariant` (ModelConfig's) needs the CPU kernels for everything a step
+    computes; a ConfigError says what is missing.
 
     On CUDA, `auto` stays on PyTorch: the Triton kernel (`choice="triton"`) has only run
     under Triton's CPU interpreter so far; make it the default once bench/gpu has measured
@@ -353,7 +366,31 @@ def select_ops(choice: str, device: torch.device, dtype: torch.dtype, arch: Any)
             raise ConfigError("kernels='triton' needs a CUDA device and the triton package")
         return TritonOps()
     kernels = cpu_kernels_for(choice, device, dtype, arch)
-    return TORCH_OPS if kernels is None else CpuKernelOps(kernels)
+    if batch_invariant:
+        why_not = _not_batch_invariant(kernels, device, dtype, arch)
+        if why_not:
+            raise ConfigError(f"batch_invariant is not available here: {why_not}")
+    return TORCH_OPS if kernels is None else CpuKernelOps(kernels, batch_invariant)
+
+
+def _not_batch_invariant(
+    kernels: cpu_kernels.CpuKernels | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: Any,
+) -> str | None:
+    """Why a step here could compute a row differently by its batch, or None: every
+    linear must take a kernel of ours (`CpuKernels.route`); attention is the paged decode
+    kernel for every row (`ModelRunner`), which the CPU kernels have for any cache."""
+    if kernels is None:
+        if device.type != "cpu":
+            return f"it runs on the CPU kernels, and the model is on {device}"
+        why = cpu_kernels.unavailable_reason(dtype) or "the model's head size or hidden sizes"
+        return f"the CPU kernels do not run ({why})"
+    inner = (arch.hidden_size, arch.num_heads * arch.head_dim, arch.intermediate_size)
+    if any(k % kernels.k_multiple for k in inner):
+        return f"the model's inner sizes {inner} are not multiples of {kernels.k_multiple}"
+    return None
 
 
 def cpu_kernels_for(

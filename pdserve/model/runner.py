@@ -73,12 +73,15 @@ class ModelRunner:
         seed: int = 0,
         kernels: str = "auto",
         cache_dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        """`cache_dtype`: the KV cache's (kv_format.resolve); default the model's dtype."""
+        """`cache_dtype`: the KV cache's (kv_format.resolve); default the model's dtype.
+        `batch_invariant`: ModelConfig.batch_invariant."""
         self.model = loaded.model
         self.dtype = loaded.dtype
         cache_dtype = cache_dtype or loaded.dtype
-        self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch)
+        self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch, batch_invariant)
+        self.batch_invariant = batch_invariant
         if kv_format.is_quantized(cache_dtype) and self.ops.name == "triton":
             raise ConfigError("the 8-bit KV cache has no Triton kernel; use kernels='auto'")
         logger.info("model ops: %s; KV cache %s", self.ops.label, kv_format.name(cache_dtype))
@@ -155,8 +158,20 @@ class ModelRunner:
         )
         dev = self.device
         nd = output.num_decodes
-        if self.ops.paged_decode:
+        prefills = output.scheduled[nd:]
+        tables: torch.Tensor | None
+        seq_lens: torch.Tensor | None
+        if self.batch_invariant:
+            # Every row attends through the paged decode kernel, prompt rows too: a row's
+            # sums then run over its keys in one order whether its prompt came in one
+            # chunk or several, from the prefix cache or from another node. (The prefill
+            # kernels block keys by where a chunk starts, and a prompt's last token
+            # scheduled alone would take the decode kernel.)
             groups: tuple[DecodeGroup, ...] = ()
+            tables, seq_lens = self._row_tables(output.scheduled, block_tables, positions)
+            nd, prefills = len(token_ids), ()
+        elif self.ops.paged_decode:
+            groups = ()
             tables, seq_lens = self._decode_tables(output.scheduled[:nd], block_tables[:nd])
         else:
             groups = self._decode_groups(output.scheduled[:nd], block_tables[:nd])
@@ -170,7 +185,7 @@ class ModelRunner:
             decode_block_tables=tables,
             decode_seq_lens=seq_lens,
             decode_kv_buffer=self._scratch(num_gathered) if num_gathered else None,
-            prefills=self._prefill_chunks(output.scheduled[nd:], block_tables[nd:], nd),
+            prefills=self._prefill_chunks(prefills, block_tables[nd:], nd),
         )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=dev),
@@ -186,6 +201,22 @@ class ModelRunner:
         if not entries:
             return None, None
         padded, seq_lens = _padded_tables(entries, tables, range(len(entries)))
+        return torch.from_numpy(padded).to(self.device), torch.from_numpy(seq_lens).to(self.device)
+
+    def _row_tables(
+        self,
+        entries: tuple[ScheduledRequest, ...],
+        tables: list[np.ndarray],
+        positions: list[np.ndarray],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of the step as a decode: its entry's block table (padded) and the
+        tokens it attends to (its position + 1)."""
+        padded = np.zeros((sum(len(p) for p in positions), max(map(len, tables))), np.int64)
+        row = 0
+        for s, table in zip(entries, tables, strict=True):
+            padded[row : row + s.num_new_tokens, : len(table)] = table
+            row += s.num_new_tokens
+        seq_lens = np.concatenate(positions) + 1
         return torch.from_numpy(padded).to(self.device), torch.from_numpy(seq_lens).to(self.device)
 
     def _decode_groups(

@@ -84,7 +84,7 @@ def test_cancels_are_labelled_by_the_proxys_record_not_by_their_plan() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_ci_sized_chaos_run_passes_with_every_fault(tiny_model_dir: Any, tmp_path: Any) -> None:
+def test_ci_sized_chaos_run_passes_with_every_fault(tiny_kernels_model: Any, tmp_path: Any) -> None:
     """Two prefill and two decode nodes, each kind of fault. In two network namespaces where
     they can be created: KV then moves over UCX TCP between them, and their link is also
     cut for longer than the lease (S12: nothing read across it, unrenewed handoffs expire,
@@ -92,7 +92,7 @@ def test_ci_sized_chaos_run_passes_with_every_fault(tiny_model_dir: Any, tmp_pat
     on loopback, with a warning that the network faults went untested."""
     report_dir = tmp_path / "report"
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "chaos", "--duration-s", "32",
-           "--model", str(tiny_model_dir("llama")), "--num-prefill", "2", "--num-decode", "2",
+           "--model", str(tiny_kernels_model), "--num-prefill", "2", "--num-decode", "2",
            "--seed", "1", "--rate", "6", "--long-prompt-tokens", "200", "--lease-s", "2",
            "--report", str(report_dir)]  # fmt: skip
     # Seed 1 sends its SIGTERM to a decode node, whose drain may find decode legs still

@@ -291,7 +291,7 @@ def test_scaling_decode_up_and_down_under_a_stream_completes_every_request(
 
 @pytest.mark.timeout(400)
 def test_a_ci_sized_chaos_run_on_ray_passes_with_kills_and_scaling(
-    ray_cluster: RayCluster, tiny_model_dir: Any, tmp_path: Any
+    ray_cluster: RayCluster, tiny_kernels_model: Any, tmp_path: Any
 ) -> None:
     """`pdserve bench chaos --ray`: the nodes are Ray actors (`pdserve ray up`'s), on this
     module's Ray head beside its `ray up` cluster (another namespace). A decode and a
@@ -300,7 +300,7 @@ def test_a_ci_sized_chaos_run_on_ray_passes_with_kills_and_scaling(
     under the load: no violation, and the slots followed the new URLs."""
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "chaos", "--ray", "--duration-s", "30",
            "--ray-address", ray_cluster.address,
-           "--model", str(tiny_model_dir("llama")), "--num-prefill", "2", "--num-decode", "2",
+           "--model", str(tiny_kernels_model), "--num-prefill", "2", "--num-decode", "2",
            "--seed", "1", "--rate", "6", "--long-prompt-tokens", "200", "--lease-s", "2",
            "--report", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=ray_cluster.env)

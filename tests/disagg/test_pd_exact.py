@@ -14,13 +14,13 @@ in the last bits in every dtype, and flips near-tied tokens in bf16.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.launch import stop_all
 from tests.api.conftest import start_servers
-from tests.conftest import save_tiny_hf_model
 from tests.disagg.conftest import (
     Cluster,
     completion,
@@ -50,11 +50,9 @@ def _settings() -> list[Any]:
 
 
 @pytest.fixture(scope="session")
-def exact_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Cluster]]:
+def exact_clusters(tiny_kernels_model: Path) -> Iterator[Callable[..., Cluster]]:
     """One cluster per numeric setting, started on first use and kept for the session."""
-    model = save_tiny_hf_model(
-        tmp_path_factory.mktemp("tiny-kernels"), "llama", hidden_size=128, intermediate_size=256
-    )
+    model = tiny_kernels_model
     clusters: dict[tuple[str, str | None], Cluster] = {}
 
     def get(setting: tuple[str, str | None]) -> Cluster:

@@ -66,7 +66,9 @@ def add_parser(bench_sub: Any) -> None:
     local.add_argument("--num-prefill", type=int, default=2)
     local.add_argument("--num-decode", type=int, default=2)
     local.add_argument("--model", default="default")
-    local.add_argument("--dtype", default="float32", help="float32: greedy outputs compare exactly")
+    local.add_argument("--dtype", default="auto",
+                       help="auto: the machine's (bf16 where native); the nodes run "
+                            "--batch-invariant: greedy outputs compare exactly in any")  # fmt: skip
     local.add_argument("--num-kv-blocks", type=int, default=128)
     local.add_argument("--netns", action="store_true",
                        help="prefill and decode nodes in two network namespaces (needs root): "
@@ -228,7 +230,14 @@ def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
         reason = "the cluster was targeted by URL: the harness cannot kill or restart its nodes"
         chaos.skipped.update({k: reason for k in ("kill", "sigterm") if k in wanted})
     else:
-        node_args = ["--model", args.model, "--dtype", args.dtype, "--api-key", API_KEY,
+        from pdserve_bench.cli import resolve_dtype_name
+
+        args.dtype = resolve_dtype_name(args.dtype)  # the report names what ran
+        # --batch-invariant: a request's greedy output then equals the reference node's
+        # whatever else the nodes run with it (bf16 included), so a difference is the
+        # handoff's fault, not the batch's.
+        node_args = ["--model", args.model, "--dtype", args.dtype, "--batch-invariant",
+                     "--api-key", API_KEY,
                      "--num-kv-blocks", str(args.num_kv_blocks),
                      "--max-model-len", "512"]  # fmt: skip
         env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "PDSERVE_LOG_LEVEL": "WARNING"}

@@ -175,6 +175,13 @@ void pd_linear_small(const bf16* x, const bf16* w, const bf16* bias, bf16* y, in
     linear_row(x, w + n * K, bias, y, M, N, K, n);
 }
 
+// The small-M loop sums each row in one order whatever M is: it is batch-invariant as it
+// stands (the float32 library's pd_linear_rows differs from its pd_linear_small).
+void pd_linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
+                    int64_t N, int64_t K) {
+  pd_linear_small(x, w, bias, y, M, N, K);
+}
+
 // ---------------------------------------------------------------------------------------
 // x = x + delta (when delta is given, rounded to bf16 like PyTorch's add), then
 // out = x * rsqrt(mean(x^2) + eps) * weight. Rows of H elements, H % 16 == 0.

@@ -158,6 +158,14 @@ void pd_linear_small(const float* x, const float* w, const float* bias, float* y
     linear_groups<kR>(x, w, bias, y, M, N, K);
 }
 
+// The same product with every row in the register-tile loop, one row too: each row's
+// sums then follow one order whatever M is (batch-invariant mode; linear_m1 sums a lone
+// row along four FMA chains instead).
+void pd_linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                    int64_t N, int64_t K) {
+  linear_groups<kR>(x, w, bias, y, M, N, K);
+}
+
 // Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
 int pd_linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias,
                     float* y, int64_t M, int64_t N, int64_t K) {
