@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from pdserve.launch import signal_whole
+from pdserve.proxy.pool import DOWN_AFTER
 from tests.api.conftest import API_KEY, Server, start_server, stop_server
 from tests.disagg.conftest import (
     HEADERS,
@@ -439,8 +440,16 @@ def test_killed_nodes_leave_the_cluster_serving_and_leak_nothing(
             node.process.wait()
         results = [post(proxy, "/v1/completions", body) for _ in range(6)]
         assert all(r.status_code == 200 and token_ids(r.json()) == expected for r in results)
-        health = httpx.get(f"{proxy.url}/health", timeout=5).json()
-        assert health["num_prefill_up"] == 1 and health["num_decode_up"] == 1
+        # The six requests may all end before the proxy's health checks see the deaths
+        # (routing need not send a leg to a dead node), so its view gets a bound of its own:
+        # `DOWN_AFTER` checks 0.2 s apart, with slack for a loaded CI machine.
+        deadline = time.monotonic() + DOWN_AFTER * 0.2 + 3.0
+        while True:
+            health = httpx.get(f"{proxy.url}/health", timeout=5).json()
+            if health["num_prefill_up"] == 1 and health["num_decode_up"] == 1:
+                break
+            assert time.monotonic() < deadline, f"the proxy still counts dead nodes: {health}"
+            time.sleep(0.05)
         assert_cluster_idle(cluster)
     finally:
         stop_server(extra_prefill)
