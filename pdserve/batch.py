@@ -9,7 +9,7 @@ batch. It lives below both, so the model layer never imports the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +33,8 @@ class SequenceState(Protocol):
     @property
     def output_token_ids(self) -> list[int]: ...
 
+    grammar: Any
+    """An llguidance matcher (`pdserve.structured`) the next token must fit, or None."""
     num_remote_draws: int
     """Draws another node made from this request's seed; the sampler skips them, then
     sets this to 0."""

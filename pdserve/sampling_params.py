@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, each bias added to its token's logit before the pick (after
     the penalties; logprobs stay the model's own), as OpenAI and vLLM do."""
+    grammar: str | None = None
+    """An llguidance grammar (`pdserve.structured.grammar_for`: a JSON schema, regex, choice
+    or Lark grammar) every output token must keep to; None: unconstrained."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

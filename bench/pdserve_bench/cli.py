@@ -48,7 +48,7 @@ def add_parsers(bench_sub: Any) -> None:
         "--parallel N for N prompts, where bench/llamacpp/setup_server.sh built it, else one "
         "request at a time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights "
         "dequantized), kv-int8 (pdserve with the 8-bit KV cache), batch-invariant (pdserve "
-        "with --batch-invariant)",
+        "with --batch-invariant), structured (pdserve, every request under a JSON schema)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(

@@ -89,6 +89,7 @@ def pdserve_runner(
     planned: Workload,
     kernels: str = "auto",
     quantization: str | None = None,
+    grammar: str | None = None,
     **engine_options: Any,
 ) -> Runner:
     """pdserve in this process; `engine_options` go to `LLM` as they are (block_size=16:
@@ -114,7 +115,7 @@ def pdserve_runner(
 
     def run(workload: Workload) -> float:
         params = [
-            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, grammar=grammar)
             for n in workload.output_lens
         ]
         timer = llm.engine.step_timer = StepTimer(interval_s=float("inf"))
@@ -137,6 +138,8 @@ def pdserve_runner(
         name += f"-kv-{llm.engine.config.cache.kv_cache_dtype}"
     if llm.engine.config.model.batch_invariant:
         name += "-batch-invariant"
+    if grammar is not None:
+        name += "-structured"
     run.name = name  # type: ignore[attr-defined]
     run.quantization = llm.engine.loaded.quantization  # type: ignore[attr-defined]
     run.ops = llm.engine.runner.ops.label  # type: ignore[attr-defined]
@@ -173,6 +176,32 @@ def pdserve_batch_invariant_runner(args: argparse.Namespace, planned: Workload) 
     """pdserve with `--batch-invariant`: what one kernel per linear and decode-kernel
     attention for every row cost."""
     return pdserve_runner(args, planned, batch_invariant=True)
+
+
+STRUCTURED_SCHEMA = {
+    "type": "array",
+    "minItems": 1000,  # never complete within a benchmark's output: every step is masked
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "id", "tags", "active"],
+        "additionalProperties": False,
+    },
+}
+"""The structured workload: every request's output is JSON for this schema (records of a
+string, an integer, a list and a boolean), masked at every step."""
+
+
+def pdserve_structured_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """pdserve with every request under a JSON schema: what the grammar's masks cost."""
+    from pdserve.structured import grammar_for
+
+    return pdserve_runner(args, planned, grammar=grammar_for(None, {"json": STRUCTURED_SCHEMA}))
 
 
 def pdserve_torch_runner(args: argparse.Namespace, planned: Workload) -> Runner:
@@ -396,6 +425,7 @@ PEERS: dict[str, PeerFactory] = {
     "dense": pdserve_dense_runner,
     "kv-int8": pdserve_kv_int8_runner,
     "batch-invariant": pdserve_batch_invariant_runner,
+    "structured": pdserve_structured_runner,
     "vllm": VllmRunner,
     "llamacpp": llamacpp_runner,
 }

@@ -17,21 +17,20 @@ from pdserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-NO_TOOLS = "pdserve has no tool calling"
-NO_STRUCTURED = "pdserve has no structured output (json_object, json_schema, grammars) yet"
+OLD_TOOLS = "OpenAI's deprecated form: send tools and tool_choice"
+OLD_STRUCTURED = "vLLM's older name: send structured_outputs (json, regex, choice, grammar)"
 
 NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
     # field: (why, the values that ask for nothing and are accepted)
     "best_of": ("pdserve returns every sample it draws (use n)", (None, 1)),
     "suffix": ("pdserve does not insert text (no suffix)", (None, "")),
     "prompt_logprobs": ("prompt logprobs are not served yet", (None,)),
-    "structured_outputs": (NO_STRUCTURED, (None,)),
-    "guided_json": (NO_STRUCTURED, (None,)),
-    "guided_regex": (NO_STRUCTURED, (None,)),
-    "guided_choice": (NO_STRUCTURED, (None,)),
-    "guided_grammar": (NO_STRUCTURED, (None,)),
-    "guided_decoding_backend": (NO_STRUCTURED, (None,)),
-    "guided_whitespace_pattern": (NO_STRUCTURED, (None,)),
+    "guided_json": (OLD_STRUCTURED, (None,)),
+    "guided_regex": (OLD_STRUCTURED, (None,)),
+    "guided_choice": (OLD_STRUCTURED, (None,)),
+    "guided_grammar": (OLD_STRUCTURED, (None,)),
+    "guided_decoding_backend": ("pdserve's grammar engine is llguidance", (None,)),
+    "guided_whitespace_pattern": (OLD_STRUCTURED, (None,)),
     "priority": ("requests are served first come, first served", (None, 0)),
     "chat_template_kwargs": ("the chat template takes no extra arguments", (None, {})),
     "chat_template": ("the model's own chat template is used", (None,)),
@@ -50,11 +49,8 @@ NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "reasoning_effort": ("the model has no reasoning setting", (None,)),
     "verbosity": ("the model has no verbosity setting", (None,)),
     "web_search_options": ("pdserve has no web search", (None,)),
-    "tools": (NO_TOOLS, (None, [])),
-    "functions": (NO_TOOLS, (None, [])),
-    "tool_choice": (NO_TOOLS, (None, "none")),
-    "function_call": (NO_TOOLS, (None, "none")),
-    "response_format": (NO_STRUCTURED, (None, {"type": "text"})),
+    "functions": (OLD_TOOLS, (None, [])),
+    "function_call": (OLD_TOOLS, (None, "none")),
 }
 """Fields pdserve does not serve: a value other than these is a 400 naming the field."""
 
@@ -65,7 +61,6 @@ NO_EFFECT: dict[str, str] = {
     "service_tier": "pdserve has one tier",
     "prompt_cache_key": "pdserve's prefix cache needs no key: it matches prompts by content",
     "prompt_cache_retention": "pdserve's prefix cache keeps blocks until it needs the space",
-    "parallel_tool_calls": "it applies to tools, which are refused",
 }
 """Labels and hints that change no output: accepted, logged once per process."""
 

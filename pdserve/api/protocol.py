@@ -4,7 +4,8 @@ Every field is honoured or refused with a 400 naming it, never ignored: the fiel
 are type-checked by pydantic and range-checked by `SamplingParams`; fields of OpenAI's API
 and vLLM's extensions that pdserve does not serve pass only with values that ask for
 nothing (`fields.screen`); any other field is unrecognized. Chat messages follow OpenAI's
-schema (`parse_message`); tool messages and non-text content are refused the same way.
+schema (`parse_message`), tool calls and results included (`pdserve/tools.py`); non-text
+content is refused the same way.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
+from pdserve import structured
 from pdserve.api import fields
-from pdserve.api.fields import NO_TOOLS
 from pdserve.errors import InvalidRequestError, StatusError
 from pdserve.sampling_params import SamplingParams
+from pdserve.tools import ToolSpec
 
 
 class StreamOptions(BaseModel):
@@ -66,6 +68,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
     """A P/D leg's parameters, read by the node's `NodeLegs` (`pd_legs.py`)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: `text`, `json_object`, or `json_schema` (structured.py)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: one of `json`, `regex`, `choice`, `grammar` (Lark or GBNF), `json_object`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +98,18 @@ class _SamplingFields(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> str | None:
+        """The output's grammar, checked: a bad schema or grammar is a 400 here, before
+        the engine sees the request."""
+        grammar = structured.grammar_for(self.response_format, self.structured_outputs)
+        if grammar is not None:
+            structured.check(
+                grammar, "response_format" if self.response_format else "structured_outputs"
+            )
+        return grammar
 
     @property
     def include_usage(self) -> bool:
@@ -149,23 +166,28 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ChatMessage:
     """One message of a chat, checked against OpenAI's schema (`parse_message`): its text
     joined from its parts, the role as the chat template knows it (`developer` is
-    `system`)."""
+    `system`), an assistant's tool calls and a tool result's call id."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None
     name: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
 
-    def template_input(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content}
+    def template_input(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
 def parse_message(raw: Any, index: int) -> ChatMessage:
     """One element of `messages`; every refusal is a 400 naming the parameter as OpenAI
-    does (`messages[0].content`). Fields of tool calling are refused, not ignored: pdserve
-    would answer as if the tools did not exist."""
+    does (`messages[0].content`)."""
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
         raise InvalidRequestError(f"{where} must be an object with a role and content", param=where)
@@ -176,20 +198,69 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
         raise InvalidRequestError(
             f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role"
         )
-    if role == "tool":
+    if raw.get("function_call") is not None:
         raise InvalidRequestError(
-            f"{where}: tool messages are not supported: {NO_TOOLS}", param=f"{where}.role"
+            f"{where}.function_call is OpenAI's deprecated form: send tool_calls",
+            param=f"{where}.function_call",
         )
-    for field in ("tool_calls", "function_call"):
-        if raw.get(field) not in (None, []):
-            raise InvalidRequestError(
-                f"{where}.{field} is not supported: {NO_TOOLS}", param=f"{where}.{field}"
-            )
     name = raw.get("name")
     if name is not None and not isinstance(name, str):
         raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name")
-    content = _message_text(raw.get("content"), f"{where}.content", role == "assistant")
-    return ChatMessage("system" if role == "developer" else role, content, name)
+    calls = _tool_calls(raw.get("tool_calls"), where) if role == "assistant" else ()
+    if role != "assistant" and raw.get("tool_calls") is not None:
+        raise InvalidRequestError(
+            f"{where}.tool_calls belongs to assistant messages", param=f"{where}.tool_calls"
+        )
+    call_id = raw.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise InvalidRequestError(
+            f"missing required parameter {where}.tool_call_id (a string)",
+            param=f"{where}.tool_call_id",
+        )
+    if role != "tool" and call_id is not None:
+        raise InvalidRequestError(
+            f"{where}.tool_call_id belongs to tool messages", param=f"{where}.tool_call_id"
+        )
+    content: str | None = None
+    if not (calls and raw.get("content") is None):  # an assistant's calls may come alone
+        content = _message_text(raw.get("content"), f"{where}.content", role == "assistant")
+    as_template = "system" if role == "developer" else role
+    return ChatMessage(as_template, content, name, calls, call_id)  # type: ignore[arg-type]
+
+
+def _tool_calls(raw: Any, where: str) -> tuple[dict[str, Any], ...]:
+    """An assistant's `tool_calls` as OpenAI sends them back: id, type, function name and
+    arguments (JSON text)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidRequestError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    calls = []
+    for i, call in enumerate(raw):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        ok = (
+            isinstance(function, dict)
+            and call.get("type", "function") == "function"
+            and isinstance(call.get("id", ""), str)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        )
+        if not ok:
+            raise InvalidRequestError(
+                f"{at} must be {{id, type: 'function', function: {{name, arguments}}}} "
+                "with arguments as JSON text",
+                param=at,
+            )
+        assert isinstance(function, dict)
+        calls.append(
+            {
+                "id": call.get("id", ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
+    return tuple(calls)
 
 
 def parse_messages(cls: Any, raw: Any) -> Any:
@@ -244,13 +315,31 @@ _PARTS: JsonDict = {
     "items": {"anyOf": [_text_part("text"), _text_part("refusal")]},
     "description": "text parts (refusal parts: assistant messages only)",
 }
+_TOOL_CALL: JsonDict = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
 MESSAGE_SCHEMA: JsonDict = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, _PARTS]},
+        "role": {"enum": list(ROLES)},
+        "content": {
+            "anyOf": [{"type": "string"}, _PARTS, {"type": "null"}],
+            "description": "required, except on an assistant message with tool_calls",
+        },
         "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant only"},
+        "tool_call_id": {"type": "string", "description": "tool messages only (required)"},
     },
 }
 """What `parse_message` accepts, as JSON Schema (for /openapi.json)."""
@@ -262,7 +351,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
     _parse_messages = field_validator("messages", mode="before")(parse_messages)
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return [m.template_input() for m in self.messages]
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The request's tools and choice, checked (400s name the field)."""
+        return ToolSpec.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def grammar(self) -> str | None:
+        """A forced tool choice's grammar, or the structured output's."""
+        spec = self.tool_spec()
+        forced = spec.grammar() if spec is not None else None
+        if forced is None:
+            return super().grammar()
+        if super().grammar() is not None:
+            raise InvalidRequestError(
+                "a required or named tool_choice cannot be combined with response_format "
+                "or structured_outputs",
+                param="tool_choice",
+            )
+        structured.check(forced, "tools")
+        return forced

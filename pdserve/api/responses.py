@@ -1,8 +1,10 @@
 """Build OpenAI response bodies (full and streamed) from engine outputs.
 
-Only completions get here: finish_reason "stop" or "length" (None while a stream runs). A
-request that failed or was aborted inside the engine is an error for the caller instead
-(`AsyncEngineClient.generate` raises), never a body with a finish_reason of its own.
+Only completions get here: finish_reason "stop" or "length" (None while a stream runs), or
+"tool_calls" for a chat whose answer holds tool calls (`pdserve/tools.py` parses them out
+of the text; a stream sends each call whole in one delta). A request that failed or was
+aborted inside the engine is an error for the caller instead (`AsyncEngineClient.generate`
+raises), never a body with a finish_reason of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
+from pdserve.tools import Parsed, ToolCallParser, ToolSpec
 
 
 @dataclass
@@ -24,12 +27,16 @@ class ChoiceBuilder:
     model: str
     include_usage: bool
     return_token_ids: bool = False
+    tools: ToolSpec | None = None
+    """A chat's tools: calls are parsed out of its answers unless tool_choice is none."""
     created: int = field(default_factory=lambda: int(time.time()))
     _roles_sent: set[int] = field(default_factory=set)
     _num_tokens_sent: dict[int, int] = field(default_factory=dict)
     """Per choice: tokens whose ids and logprobs went out in a chunk."""
     _prompt_sent: bool = False
     _last: RequestOutput | None = None
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+    """Per choice of a stream with tools: its tool call parser."""
 
     @classmethod
     def for_request(cls, body: Any, chat: bool, model: str) -> ChoiceBuilder:
@@ -47,7 +54,15 @@ class ChoiceBuilder:
             model=model,
             include_usage=body.include_usage,
             return_token_ids=body.return_token_ids,
+            tools=body.tool_spec() if chat else None,
         )
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self.tools is None or not self.tools.parses_calls:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = ToolCallParser(self.tools)
+        return self._parsers[index]
 
     @property
     def _object(self) -> str:
@@ -83,7 +98,15 @@ class ChoiceBuilder:
     def _full_choice(self, c: CompletionOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            parser = self._parser(c.index)
+            if parser is not None:
+                parsed = parser.parse(c.text)
+                if parsed.calls:
+                    message["content"] = parsed.content.strip() or None
+                    message["tool_calls"] = [call.as_openai() for call in parsed.calls]
+                    choice["finish_reason"] = _finish_with_calls(c.finish_reason)
+            choice["message"] = message
             choice["logprobs"] = _chat_logprobs(c.logprobs)
         else:
             choice["text"] = c.text
@@ -115,6 +138,9 @@ class ChoiceBuilder:
                 if c.index not in self._roles_sent:
                     delta["role"] = "assistant"
                     self._roles_sent.add(c.index)
+                parser = self._parser(c.index)
+                if parser is not None:
+                    self._add_calls(delta, choice, parser, c)
                 choice["delta"] = delta
                 choice["logprobs"] = _chat_logprobs(new_logprobs)
             else:
@@ -130,10 +156,39 @@ class ChoiceBuilder:
             chunks.append(chunk)
         return chunks
 
+    @staticmethod
+    def _add_calls(
+        delta: dict[str, Any], choice: dict[str, Any], parser: ToolCallParser, c: CompletionOutput
+    ) -> None:
+        """A streamed chat delta with tools: text that may be a call held back, each call
+        whole in `tool_calls` (OpenAI's delta shape, its arguments in one piece), and the
+        whitespace between calls dropped."""
+        num_before = parser.num_calls
+        parsed = parser.feed(c.delta_text)
+        if c.finished:
+            rest = parser.finish()
+            parsed = Parsed(parsed.content + rest.content, parsed.calls)
+        content = parsed.content
+        if parser.num_calls and not content.strip():
+            content = ""
+        delta["content"] = content
+        if parsed.calls:
+            delta["tool_calls"] = [
+                {"index": num_before + k, **call.as_openai()} for k, call in enumerate(parsed.calls)
+            ]
+        if c.finished and parser.num_calls:
+            choice["finish_reason"] = _finish_with_calls(c.finish_reason)
+
     def usage_chunk(self) -> dict[str, Any] | None:
         if not self.include_usage or self._last is None:
             return None
         return {**self._envelope([], chunk=True), "usage": self.usage(self._last)}
+
+
+def _finish_with_calls(reason: str | None) -> str | None:
+    """An answer that ends in tool calls ends with "tool_calls" (OpenAI's), unless it ran
+    out of tokens ("length" stays: the last call may be cut)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _completion_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:

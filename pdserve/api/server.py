@@ -327,7 +327,11 @@ async def _rest(
 def _engine_inputs(body: Any, chat: bool) -> dict[str, Any]:
     """The prompt or the messages, as the engine takes them (400 if they are unusable)."""
     if chat:
-        return {"messages": body.chat_messages()}
+        spec = body.tool_spec()
+        return {
+            "messages": body.chat_messages(),
+            "tools": spec.template_tools() if spec is not None else None,
+        }
     return {"prompt": body.single_prompt()}
 
 

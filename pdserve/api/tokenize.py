@@ -2,7 +2,8 @@
 through the model's chat template, to the token ids the engine computes for them, and ids
 back to text.
 
-    /tokenize    {"prompt": "..."} or {"messages": [...], "add_generation_prompt": true}
+    /tokenize    {"prompt": "..."} or {"messages": [...], "tools": [...] (optional),
+                  "add_generation_prompt": true}
                  → {"count", "max_model_len", "tokens", "token_strs" (with return_token_strs)}
     /detokenize  {"tokens": [...]} → {"prompt": "..."}
 
@@ -23,6 +24,7 @@ from pdserve.api.errors import MAX_BODY_BYTES, from_exception, read_json, valida
 from pdserve.api.protocol import ChatMessage, check_model, parse_messages
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.tools import ToolSpec
 
 
 class TokenizeRequest(BaseModel):
@@ -31,6 +33,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Rendered into the prompt as a chat with them would be (`pdserve/tools.py`)."""
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     """The model's BOS where its tokenizer adds one and the text does not start with it,
@@ -73,10 +77,14 @@ class Tokenization:
             check_model(body.model, self.model_name)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequestError("send either prompt or messages", param="prompt")
+            if body.tools and body.messages is None:
+                raise InvalidRequestError("tools belong with messages", param="tools")
             tok = await self.tokenizer()
             if body.messages is not None:
                 messages = [m.template_input() for m in body.messages]
-                text = tok.apply_chat_template(messages, body.add_generation_prompt)
+                spec = ToolSpec.parse(body.tools, None, None)
+                tools = spec.template_tools() if spec is not None else None
+                text = tok.apply_chat_template(messages, body.add_generation_prompt, tools)
             else:
                 assert body.prompt is not None
                 text = body.prompt

@@ -192,6 +192,9 @@ class DecodeConnector(KVConnector):
         token = load.remote.first_token
         if token is None or not 0 <= token.token_id < self.vocab_size:
             return None
+        if request.params.grammar is not None:
+            return None  # the prefill leg sampled without the grammar: sample it here
+
         wanted = request.params.logprobs
         if wanted is not None and (token.logprob is None or len(token.logprob.top) < wanted):
             return None

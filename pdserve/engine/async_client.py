@@ -176,6 +176,7 @@ class AsyncEngineClient:
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
         kv_transfer: KVTransferSpec | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
         if self.dead:
@@ -184,7 +185,11 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._send(AddRequest(request_id, params, prompt, messages, kv_transfer))
+            await self._send(
+                AddRequest(
+                    request_id, params, prompt, messages, tools=tools, kv_transfer=kv_transfer
+                )
+            )
             while True:
                 item = await queue.get()
                 if isinstance(item, RequestError):

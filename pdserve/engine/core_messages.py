@@ -22,6 +22,8 @@ class AddRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     """Chat messages: the engine renders the model's chat template."""
+    tools: list[dict[str, Any]] | None = None
+    """A chat's tools (OpenAI's `tools`), rendered with its messages."""
     kv_transfer: KVTransferSpec | None = None
     """`RemoteDecode` / `RemotePrefill` (pdserve.disagg.params) for a P/D leg."""
 

@@ -193,7 +193,7 @@ def _add(engine: LLMEngine, message: AddRequest, errors: list[RequestError]) -> 
                 raise InvalidRequestError(
                     "this model has no tokenizer: it cannot chat", param="messages"
                 )
-            prompt = engine.tokenizer.apply_chat_template(message.messages)
+            prompt = engine.tokenizer.apply_chat_template(message.messages, tools=message.tools)
         if prompt is None:
             raise PdserveError("request without a prompt")
         engine.add_request(

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pdserve import structured
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnectorFactory, KVTransferSpec, NoKVConnector
 from pdserve.engine.output_processor import OutputProcessor
@@ -72,6 +73,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.step_timer = StepTimer()
+        self._grammar_engine: structured.Grammars | None = None
+        self._building: list[Request] = []
+        """Requests whose grammar matcher is being built (`_grammars_built`)."""
 
     # -- requests ------------------------------------------------------------------
 
@@ -112,10 +116,54 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.grammar is not None:
+            grammars = self._grammars()
+            for r in requests:
+                r.grammar_pending = grammars.matcher(params.grammar)
+            self._building.extend(requests)
         self.outputs.add(request_id, requests)
         for r in requests:
             self.scheduler.add_request(r)
         return request_id
+
+    def _grammars(self) -> structured.Grammars:
+        """The engine's grammar matchers (built on first use: llguidance reads the
+        tokenizer once, ~0.25 s on a 49k vocabulary)."""
+        if self._grammar_engine is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need the model's tokenizer; this model has none",
+                    param="structured_outputs",
+                )
+            vocab = self.loaded.arch.vocab_size
+            self._grammar_engine = structured.Grammars(
+                self.tokenizer.to_json(), vocab, tuple(self.tokenizer.eos_token_ids)
+            )
+        return self._grammar_engine
+
+    def _grammars_built(self) -> list[Request]:
+        """Requests whose matcher is now built become schedulable; one whose grammar does
+        not fit this tokenizer (the API checked it without one) ends in an error."""
+        failed, still = [], []
+        for r in self._building:
+            future = r.grammar_pending
+            if r.is_finished or future is None:
+                continue
+            if not future.done():
+                still.append(r)
+                continue
+            r.grammar_pending = None
+            error: object = future.exception()
+            if error is None and future.result().is_error():
+                error = future.result().get_error()
+            if error is not None:
+                r.error = f"the grammar cannot be used: {error}"
+                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+                failed.append(r)
+            else:
+                r.grammar = future.result()
+        self._building = still
+        return failed
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort unfinished requests in any state; returns their final outputs. Unknown or
@@ -144,11 +192,17 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the connector's threads and transfers (P/D nodes)."""
         self.connector.close()
+        if self._grammar_engine is not None:
+            self._grammar_engine.close()
 
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self._building:
+            failed, _ = self.outputs.update(self._grammars_built())
+            if failed:
+                return failed
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self.tick()

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.kv_connector import KVTransferSpec, RemoteToken
 from pdserve.outputs import RequestTimes, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
 
@@ -100,6 +102,11 @@ class Request:
             import torch  # here: the API process makes no Request and never imports torch
 
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.grammar: Any = None
+        """The llguidance matcher of a request with `params.grammar`, once built; the
+        sampler masks with it and the scheduler advances it with each token."""
+        self.grammar_pending: Future[Any] | None = None
+        """Its matcher being built (`structured.Grammars`); not scheduled until it is."""
         self.num_remote_draws = 0
         """Draws another node made from this request's seed (its first token), which the
         sampler skips on `generator` before its own draw, so the draws that follow are the

@@ -134,6 +134,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             request = self.waiting[i]
+            if request.grammar_pending is not None:
+                i += 1  # its grammar is still being built; those behind it may go
+                continue
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached) * self.kv.block_size
             num_remote = self.connector.get_num_remote_tokens(request, num_computed)
@@ -242,6 +245,8 @@ class Scheduler:
         """A running request's next token (sampled here, or by the node its KV came from);
         finishes it on a stop condition."""
         request.token_ids.append(token)
+        if request.grammar is not None:
+            request.grammar.consume_token(token)  # sampled under its mask: always accepted
         if request.first_token_time is None:
             request.first_token_time = self.clock()
         status = self._stop_status(request, token)
@@ -257,6 +262,8 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_stopped():
+            return RequestStatus.FINISHED_STOPPED  # the grammar allows no further token
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:

@@ -26,7 +26,7 @@ from pdserve.model.attention import (
 )
 from pdserve.model.loader import LoadedModel
 from pdserve.model.ops import select_ops
-from pdserve.model.sampler import sample
+from pdserve.model.sampler import grammar_masks, sample
 from pdserve.outputs import ComputeInfo, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class ModelRunner:
         `batch_invariant`: ModelConfig.batch_invariant."""
         self.model = loaded.model
         self.dtype = loaded.dtype
+        self.vocab_size = loaded.arch.vocab_size
         cache_dtype = cache_dtype or loaded.dtype
         self.ops = select_ops(kernels, loaded.device, loaded.dtype, loaded.arch, batch_invariant)
         self.batch_invariant = batch_invariant
@@ -116,9 +117,10 @@ class ModelRunner:
         return self._kv_scratch[:, :num_blocks]
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        logits = self.forward(output)
         samplers = [s.request for s in output.scheduled if s.samples]
-        tokens, entries = sample(logits, samplers, self.generator)
+        masks = grammar_masks(samplers, self.vocab_size)
+        logits = self.forward(output)
+        tokens, entries = sample(logits, samplers, self.generator, masks)
         sampled: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         it = iter(zip(tokens, entries, strict=True))

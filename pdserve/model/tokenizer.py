@@ -17,6 +17,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve import tools as tool_calling
 from pdserve.errors import InvalidRequestError, ModelLoadError
 
 _LLAMA3_SPLIT = (
@@ -74,6 +75,10 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` serializes it (what llguidance reads)."""
+        return str(self._tok.to_str())
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
@@ -96,8 +101,15 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The chat as the model's template writes it. Tools (OpenAI's `tools`) and the
+        tool calls and results in `messages` go to a template that knows them as Hugging
+        Face templates take them, and to one that does not as pdserve's Hermes rendering
+        (`pdserve/tools.py`)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template", param="messages")
         if self._template is None:
@@ -108,8 +120,16 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        extra: dict[str, Any] = {}
+        if tool_calling.template_knows_tools(self.chat_template):
+            messages = tool_calling.for_template(messages)
+            if tools:
+                extra["tools"] = tools
+        else:
+            messages = tool_calling.hermes_messages(messages, tools)
         try:
             return self._template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos or "",

@@ -54,8 +54,17 @@ class StreamAssembler:
                 self._add_choice(choice)
 
     def answer(self) -> dict[str, Any]:
-        """The non-streaming answer: choices in index order, usage last."""
+        """The non-streaming answer: choices in index order, usage last. A message with
+        tool calls and no text has `content: null`, as a non-streaming answer has."""
         choices = [self._choices[i] for i in sorted(self._choices)]
+        for choice in choices:
+            message = choice.get("message")
+            if (
+                isinstance(message, dict)
+                and message.get("tool_calls")
+                and not message.get("content")
+            ):
+                message["content"] = None
         answer = {**self._top, "choices": choices}
         if self._usage is not None:
             answer["usage"] = self._usage

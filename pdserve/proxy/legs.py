@@ -160,6 +160,13 @@ async def _prefill_leg(
 ) -> tuple[Backend, dict[str, Any]] | Response:
     leg = {**body, "max_tokens": 1, "stream": False}
     leg.pop("stream_options", None)
+    # No grammar work on the prefill node (structured outputs, a forced tool choice): the
+    # decode node samples every token under it, the first one too (it recomputes the last
+    # prompt position for it).
+    leg.pop("response_format", None)
+    leg.pop("structured_outputs", None)
+    if leg.get("tools"):
+        leg["tool_choice"] = "none"  # the same prompt (tools stay in it), no grammar
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
     last_error: Response = error_response(

@@ -114,8 +114,11 @@ class Router:
                 from pdserve.api.errors import validate_body
                 from pdserve.api.protocol import ChatCompletionRequest
 
-                messages = validate_body(body, ChatCompletionRequest).chat_messages()
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+                request = validate_body(body, ChatCompletionRequest)
+                spec = request.tool_spec()
+                tools = spec.template_tools() if spec is not None else None
+                text = self.tokenizer.apply_chat_template(request.chat_messages(), tools=tools)
+                ids = self.tokenizer.encode(text)
             else:
                 ids = self.tokenizer.encode(str(raw))
         except PdserveError:

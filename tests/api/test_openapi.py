@@ -48,13 +48,16 @@ def test_every_node_and_the_proxy_describe_what_they_serve(cluster: Cluster) -> 
         assert not [p for p in doc["paths"] if p.startswith("/kv/")]
     chat = prefill["components"]["schemas"]["ChatCompletionRequest"]
     message = chat["properties"]["messages"]["items"]
-    assert message["required"] == ["role", "content"]  # {"role": "user"} is a 400
+    assert message["required"] == ["role"]  # content may be absent beside tool_calls only
     assert set(message["properties"]["role"]["enum"]) == {
         "system",
         "developer",
         "user",
         "assistant",
+        "tool",
     }
+    assert {"tool_calls", "tool_call_id"} <= set(message["properties"])
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat["properties"])
     proxy = start_proxy([cluster.prefill.url], [cluster.decode.url])
     try:
         doc = assert_accurate(proxy)

@@ -46,6 +46,13 @@ def save_byte_tokenizer(path: Path) -> None:
     tok.save(str(path / "tokenizer.json"))
     config = {"chat_template": CHATML, "eos_token": "<|im_end|>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    # The model ends a turn with <|im_end|> too, not with the byte that has its config's id
+    # (a grammar would let that byte through as text while the engine stopped on it).
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).is_file():
+            config = json.loads((path / name).read_text())
+            config["eos_token_id"] = tok.token_to_id("<|im_end|>")
+            (path / name).write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="session")

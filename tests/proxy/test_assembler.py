@@ -134,7 +134,7 @@ def test_streamed_tool_calls_fold_into_whole_calls() -> None:
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"] == {
         "role": "assistant",
-        "content": "",
+        "content": None,  # as OpenAI answers a message of calls alone
         "tool_calls": [
             {"id": "t0", "type": "function",
              "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
