@@ -25,6 +25,8 @@ class SequenceState(Protocol):
     @property
     def token_ids(self) -> list[int]: ...
     @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
     @property
     def generator(self) -> torch.Generator | None: ...
@@ -51,8 +53,9 @@ class ScheduledRequest(Generic[R]):
     """Tokens already in the cache before this step's `num_new_tokens`."""
     block_ids: tuple[int, ...]
     samples: bool
-    """This step reaches the end of the request's known tokens, so it samples a token.
-    Fixed when scheduled: the request's token count changes once the token is appended."""
+    """This step reaches the end of the request's known tokens, so it samples a token
+    (unless the request asked for none: `max_tokens=0`). Fixed when scheduled: the
+    request's token count changes once the token is appended."""
 
 
 @dataclass(frozen=True)

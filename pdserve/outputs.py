@@ -61,6 +61,9 @@ class RequestOutput:
     """When finished: blocks the KV connector kept pinned (a prefill leg's prompt KV)."""
     error: str | None = None
     """Set when the request failed inside the engine (e.g. a remote KV load, policy `fail`)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With `prompt_logprobs`, once the prompt is computed: an entry per prompt token (None
+    for the first, which nothing predicts)."""
     times: RequestTimes | None = None
     """When finished with a token: where its time went in the engine (the last of its
     samples to finish)."""

@@ -17,7 +17,8 @@ MAX_LOGIT_BIAS = 300
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults match OpenAI's API.
 
-    `max_tokens=None` means "until EOS or the model's context is full".
+    `max_tokens=None` means "until EOS or the model's context is full"; `max_tokens=0` only
+    computes the prompt (for its `prompt_logprobs`).
     `logprobs=N` returns the log-probability of each sampled token and the top N
     alternatives, computed from the model's raw distribution (before temperature and
     penalties), as vLLM does.
@@ -36,6 +37,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """The log-probability of each prompt token after the first, given the tokens before
+    it, with the top N alternatives (0: the token's own only). The prompt is then computed
+    whole, never read from the prefix cache (cached blocks hold KV, not logits)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -70,7 +75,7 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
@@ -78,6 +83,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be between 0 and {MAX_LOGPROBS}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),

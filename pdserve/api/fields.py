@@ -24,7 +24,10 @@ NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
     # field: (why, the values that ask for nothing and are accepted)
     "best_of": ("pdserve returns every sample it draws (use n)", (None, 1)),
     "suffix": ("pdserve does not insert text (no suffix)", (None, "")),
-    "prompt_logprobs": ("prompt logprobs are not served yet", (None,)),
+    "prompt_logprobs": (
+        "send echo with logprobs: the prompt's logprobs in OpenAI's shape",
+        (None,),
+    ),
     "guided_json": (OLD_STRUCTURED, (None,)),
     "guided_regex": (OLD_STRUCTURED, (None,)),
     "guided_choice": (OLD_STRUCTURED, (None,)),

@@ -163,7 +163,7 @@ class NodeLegs:
             request_span(request, builder.request_id),
         )
         try:
-            final = await unless_gone_closing(request, _last(outputs), outputs)
+            final = await unless_gone_closing(request, last_output(outputs), outputs)
         except PdserveError as e:
             await service.cancel(handoff)
             self.metrics.request_failed(f"http_{e.http_status}")
@@ -237,7 +237,8 @@ def advertised_host(host: str) -> str:
     return host
 
 
-async def _last(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+async def last_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """The engine's outputs of a request, waited through to the finished one."""
     last = await outputs.__anext__()
     while not last.finished:
         last = await outputs.__anext__()

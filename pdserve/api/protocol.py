@@ -10,7 +10,7 @@ content is refused the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -137,26 +137,36 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(biases.items()))
 
 
+MAX_PROMPTS = 256
+"""Prompts per completions call (lm-eval sends a few to tens)."""
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    """The prompt is returned before the completion, and with `logprobs` its tokens'
+    logprobs too (the first token's is null): what lm-eval's loglikelihood reads."""
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (batched prompts are not supported yet)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (a string or token ids) or a list of them."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidRequestError(
-                    "batched prompts are not supported: send one prompt per request",
-                    param="prompt",
-                )
-            p = p[0]
-        if not p:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        return p  # type: ignore[return-value]
+        many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(many) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"at most {MAX_PROMPTS} prompts per request, got {len(many)}", param="prompt"
+            )
+        for i, one in enumerate(many):
+            if not one:
+                where = "prompt" if len(many) == 1 else f"prompt[{i}]"
+                raise InvalidRequestError(f"{where} must not be empty", param="prompt")
+        return many  # type: ignore[return-value]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            params = replace(params, prompt_logprobs=logprobs)
+        return params
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 from pdserve.tools import Parsed, ToolCallParser, ToolSpec
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: the prompt's text goes before the answer's, and with
+    `logprobs` its tokens' entries before the answer's (the first token's are null)."""
+
+    text: str
+    token_text: Callable[[int], str]
+    """A token's text on its own (the prompt's first token has no entry to carry it)."""
 
 
 @dataclass
@@ -29,6 +40,10 @@ class ChoiceBuilder:
     return_token_ids: bool = False
     tools: ToolSpec | None = None
     """A chat's tools: calls are parsed out of its answers unless tool_choice is none."""
+    echo: Echo | None = None
+    index_base: int = 0
+    """Added to each choice's index: prompt `i` of a completions call with several has
+    choices `i * n` to `i * n + n - 1`."""
     created: int = field(default_factory=lambda: int(time.time()))
     _roles_sent: set[int] = field(default_factory=set)
     _num_tokens_sent: dict[int, int] = field(default_factory=dict)
@@ -37,6 +52,10 @@ class ChoiceBuilder:
     _last: RequestOutput | None = None
     _parsers: dict[int, ToolCallParser] = field(default_factory=dict)
     """Per choice of a stream with tools: its tool call parser."""
+    _prompt_logprobs: list[TokenLogprob | None] | None = None
+    _offsets: dict[int, int] = field(default_factory=dict)
+    """Per choice of a completions stream that has begun: where its next token's
+    `text_offset` is (the length of the token texts sent so far)."""
 
     @classmethod
     def for_request(cls, body: Any, chat: bool, model: str) -> ChoiceBuilder:
@@ -56,6 +75,12 @@ class ChoiceBuilder:
             return_token_ids=body.return_token_ids,
             tools=body.tool_spec() if chat else None,
         )
+
+    def for_prompt(self, index: int, echo: Echo | None) -> ChoiceBuilder:
+        """The builder of prompt `index` of a completions call with several."""
+        return ChoiceBuilder(self.request_id, self.params, self.chat, self.model,
+                             self.include_usage, self.return_token_ids, self.tools, echo,
+                             index_base=index * self.params.n, created=self.created)  # fmt: skip
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if self.tools is None or not self.tools.parses_calls:
@@ -89,14 +114,15 @@ class ChoiceBuilder:
         }
 
     def full_response(self, output: RequestOutput) -> dict[str, Any]:
-        choices = [self._full_choice(c) for c in output.outputs]
+        choices = [self._full_choice(c, output) for c in output.outputs]
         response = {**self._envelope(choices, chunk=False), "usage": self.usage(output)}
         if self.return_token_ids:
             response["prompt_token_ids"] = list(output.prompt_token_ids)
         return response
 
-    def _full_choice(self, c: CompletionOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+    def _full_choice(self, c: CompletionOutput, output: RequestOutput) -> dict[str, Any]:
+        index = self.index_base + c.index
+        choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             parser = self._parser(c.index)
@@ -109,12 +135,46 @@ class ChoiceBuilder:
             choice["message"] = message
             choice["logprobs"] = _chat_logprobs(c.logprobs)
         else:
-            choice["text"] = c.text
-            choice["logprobs"] = _completion_logprobs(c.logprobs)
+            choice["text"], choice["logprobs"] = self._text_and_logprobs(c.text, c.logprobs,
+                                                                         output, 0)  # fmt: skip
             choice["stop_reason"] = c.stop_reason
         if self.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice
+
+    def _text_and_logprobs(
+        self,
+        text: str,
+        entries: list[TokenLogprob] | None,
+        output: RequestOutput,
+        offset: int,
+        echo: bool = True,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's `text` and `logprobs` (OpenAI's legacy shape), the prompt's
+        before them when it is echoed here. `text_offset` counts the token texts from
+        `offset` (as vLLM does): a token that ends mid-character has text of its own, so a
+        stream's offsets add up to the whole answer's."""
+        rows: list[tuple[str, float | None, dict[str, float] | None]] = []
+        if echo and self.echo is not None:
+            text = self.echo.text + text
+            prompt = output.prompt_logprobs
+            if entries is not None and prompt is not None:
+                first = self.echo.token_text(output.prompt_token_ids[0])
+                rows.append((first, None, None))
+                rows += [_row(e) for e in prompt[1:] if e is not None]
+        if entries is None:
+            return text, None
+        rows += [_row(e) for e in entries]
+        offsets = []
+        for token, _, _ in rows:
+            offsets.append(offset)
+            offset += len(token)
+        return text, {
+            "tokens": [token for token, _, _ in rows],
+            "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
+            "text_offset": offsets,
+        }
 
     def stream_chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         """Chunks for what changed in this output (one per choice with news). Joined, they
@@ -122,6 +182,9 @@ class ChoiceBuilder:
         character not complete yet, text held back by a stop string) has its id and
         logprobs sent with the next chunk of its choice, and `prompt_token_ids` comes
         with the first chunk (the proxy assembles non-streaming answers from streams)."""
+        if output.prompt_logprobs is None:  # sent once by the engine (and at the end)
+            output = replace(output, prompt_logprobs=self._prompt_logprobs)
+        self._prompt_logprobs = output.prompt_logprobs
         self._last = output
         chunks = []
         for c in output.outputs:
@@ -132,7 +195,10 @@ class ChoiceBuilder:
                 continue
             self._num_tokens_sent[c.index] = len(c.token_ids)
             new_logprobs = c.logprobs[num_sent:] if c.logprobs is not None and new_ids else None
-            choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+            choice: dict[str, Any] = {
+                "index": self.index_base + c.index,
+                "finish_reason": c.finish_reason,
+            }
             if self.chat:
                 delta: dict[str, Any] = {"content": c.delta_text}
                 if c.index not in self._roles_sent:
@@ -144,8 +210,15 @@ class ChoiceBuilder:
                 choice["delta"] = delta
                 choice["logprobs"] = _chat_logprobs(new_logprobs)
             else:
-                choice["text"] = c.delta_text
-                choice["logprobs"] = _completion_logprobs(new_logprobs)
+                # The echo goes with the choice's first chunk, which comes once the prompt
+                # is computed (with its first token), and carries the prompt's logprobs.
+                first = c.index not in self._offsets
+                at = self._offsets.get(c.index, 0)
+                choice["text"], logprobs = self._text_and_logprobs(
+                    c.delta_text, new_logprobs, output, at, echo=first
+                )
+                choice["logprobs"] = logprobs
+                self._offsets[c.index] = at + sum(map(len, logprobs["tokens"] if logprobs else ()))
                 choice["stop_reason"] = c.stop_reason
             if self.return_token_ids:
                 choice["token_ids"] = list(new_ids)
@@ -191,14 +264,9 @@ def _finish_with_calls(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
 
-def _completion_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if entries is None:
-        return None
-    return {
-        "tokens": [e.decoded.get(e.token_id, "") for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{e.decoded.get(t, ""): lp for t, lp in e.top} for e in entries],
-    }
+def _row(e: TokenLogprob) -> tuple[str, float | None, dict[str, float] | None]:
+    """A token's text, logprob and top alternatives, as completions' logprobs list them."""
+    return e.decoded.get(e.token_id, ""), e.logprob, {e.decoded.get(t, ""): lp for t, lp in e.top}
 
 
 def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:

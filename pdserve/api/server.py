@@ -35,8 +35,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.api.caller import (
+    ClientGone,
     client_request_id,
     request_span,
+    unless_gone,
     unless_gone_closing,
     wait_disconnect,
 )
@@ -54,9 +56,9 @@ from pdserve.api.errors import (
 from pdserve.api.live import LiveRequests
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.openapi import openapi_document
-from pdserve.api.pd_legs import NodeLegs
+from pdserve.api.pd_legs import NodeLegs, last_output
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
-from pdserve.api.responses import ChoiceBuilder
+from pdserve.api.responses import ChoiceBuilder, Echo
 from pdserve.api.tokenize import Tokenization
 from pdserve.disagg.params import RemoteDecode
 from pdserve.engine.async_client import AsyncEngineClient
@@ -218,10 +220,8 @@ async def _serve(
         check_model(body.model, state.model_name)
         builder = ChoiceBuilder.for_request(body, chat, state.model_name)
         inputs = _engine_inputs(body, chat)  # before a prefill leg's handoff is minted
-        if isinstance(kv, RemoteDecode) and body.stream:
-            raise InvalidRequestError(
-                "a prefill leg (do_remote_decode) cannot stream", param="stream"
-            )
+        _check_leg(body, builder, kv, len(inputs))
+        echoes = await _echoes(state, body, inputs) if not chat and body.echo else None
     except PdserveError as e:
         await state.legs.refused(kv, e)
         state.metrics.request_failed(f"http_{e.http_status}")
@@ -230,9 +230,12 @@ async def _serve(
     state.live.add(builder.request_id, caller_id)
     keep_registered = False
     try:
+        if len(inputs) > 1:
+            return await _generate_many(state, request, inputs, builder, echoes)
+        builder.echo = echoes[0] if echoes else None
         if isinstance(kv, RemoteDecode):
-            return await state.legs.serve_prefill_leg(request, inputs, builder, kv, caller_id)
-        response = await _generate(state, request, body, inputs, builder, kv)
+            return await state.legs.serve_prefill_leg(request, inputs[0], builder, kv, caller_id)
+        response = await _generate(state, request, body, inputs[0], builder, kv)
         keep_registered = isinstance(response, StreamingResponse)  # the stream unregisters
         return response
     finally:
@@ -324,15 +327,111 @@ async def _rest(
     return last
 
 
-def _engine_inputs(body: Any, chat: bool) -> dict[str, Any]:
-    """The prompt or the messages, as the engine takes them (400 if they are unusable)."""
+def _engine_inputs(body: Any, chat: bool) -> list[dict[str, Any]]:
+    """The prompts or the messages, as the engine takes them (400 if they are unusable):
+    one engine request each."""
     if chat:
         spec = body.tool_spec()
-        return {
-            "messages": body.chat_messages(),
-            "tools": spec.template_tools() if spec is not None else None,
-        }
-    return {"prompt": body.single_prompt()}
+        tools = spec.template_tools() if spec is not None else None
+        return [{"messages": body.chat_messages(), "tools": tools}]
+    return [{"prompt": prompt} for prompt in body.prompts()]
+
+
+def _check_leg(body: Any, builder: ChoiceBuilder, kv: KVTransferSpec | None, prompts: int) -> None:
+    """What a request with several prompts, or a P/D leg, cannot ask for (400s)."""
+    if prompts > 1 and body.stream:
+        raise InvalidRequestError(
+            "streaming several prompts is not supported: stream one prompt per request",
+            param="stream",
+        )
+    if kv is None:
+        return
+    if prompts > 1:
+        raise InvalidRequestError("a P/D leg carries one prompt", param="prompt")
+    if isinstance(kv, RemoteDecode) and body.stream:
+        raise InvalidRequestError("a prefill leg (do_remote_decode) cannot stream", param="stream")
+    if not isinstance(kv, RemoteDecode) and builder.params.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "a decode leg reads the prompt's KV, not its logprobs: the prefill leg returns "
+            "them (echo with logprobs)",
+            param="echo",
+        )
+
+
+async def _echoes(state: ServerState, body: Any, inputs: list[dict[str, Any]]) -> list[Echo]:
+    """Each prompt's echo: its text as sent (token ids decoded by the model's tokenizer,
+    loaded into this process on first use: no torch)."""
+    try:
+        tok = await state.tokenization.tokenizer()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(
+            "echo needs the model's tokenizer: it has none", param="echo"
+        ) from e
+    return [
+        Echo(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False), tok.token_text)
+        for p in (i["prompt"] for i in inputs)
+    ]
+
+
+async def _generate_many(
+    state: ServerState,
+    request: Request,
+    inputs: list[dict[str, Any]],
+    builder: ChoiceBuilder,
+    echoes: list[Echo] | None,
+) -> Response:
+    """A completions call with several prompts: one engine request each (`ID-i`, aborted
+    by the call's id too), run together; prompt `i`'s choices are numbered from `i * n`,
+    the usage is the sum."""
+    caller_id = client_request_id(request.headers)
+    ids = [f"{builder.request_id}-{i}" for i in range(len(inputs))]
+    for sub in ids:
+        state.live.add(sub, caller_id)
+        state.live.add(sub, builder.request_id)
+    runs = [
+        state.metrics.track(
+            state.client.generate(sub, builder.params, **one), request_span(request, sub)
+        )
+        for sub, one in zip(ids, inputs, strict=True)
+    ]
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    waits = [asyncio.ensure_future(last_output(run)) for run in runs]
+    try:
+        finals = await unless_gone(asyncio.gather(*waits), gone)
+    except ClientGone:
+        return Response(status_code=499)
+    except PdserveError as e:
+        state.metrics.request_failed(f"http_{e.http_status}")
+        return from_exception(e)
+    finally:
+        gone.cancel()
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        for run in runs:
+            await run.aclose()  # aborts what still runs
+        for sub in ids:
+            state.live.remove(sub, caller_id)
+            state.live.remove(sub, builder.request_id)
+    answers = [
+        builder.for_prompt(i, echoes[i] if echoes else None).full_response(final)
+        for i, final in enumerate(finals)
+    ]
+    response = {**answers[0], "choices": [c for a in answers for c in a["choices"]]}
+    usage = [a["usage"] for a in answers]
+    response["usage"] = {
+        **{k: sum(u[k] for u in usage) for k in ("prompt_tokens", "completion_tokens",
+                                                 "total_tokens")},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+        },
+    }  # fmt: skip
+    if builder.return_token_ids:  # per prompt, on its choices (as vLLM does)
+        del response["prompt_token_ids"]
+        for answer, final in zip(answers, finals, strict=True):
+            for choice in answer["choices"]:
+                choice["prompt_token_ids"] = list(final.prompt_token_ids)
+    return JSONResponse(response)
 
 
 async def _abort_on_disconnect(

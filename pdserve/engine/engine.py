@@ -93,6 +93,11 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if self.outputs.engine_ids(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if kv_transfer is not None and params.max_tokens == 0:
+            raise InvalidRequestError(
+                "max_tokens 0 computes the prompt only: it cannot be a P/D leg",
+                param="max_tokens",
+            )
         if kv_transfer is not None and params.n != 1:
             raise InvalidRequestError(
                 "n > 1 is not supported with kv_transfer_params: send one leg per sample",
@@ -212,6 +217,11 @@ class LLMEngine:
         for entry, logprob in zip(sched.scheduled, model_out.logprobs, strict=True):
             if logprob is not None:
                 entry.request.logprobs.append(logprob)
+        for entry, scored in zip(sched.scheduled, model_out.prompt_logprobs or (), strict=False):
+            prompt = entry.request.prompt_logprobs
+            if scored is not None and prompt is not None:
+                at = entry.num_context_tokens + 1
+                prompt[at : at + len(scored)] = scored
         updated = self.scheduler.update_from_output(sched, model_out.sampled)
         outputs, stopped = self.outputs.update(updated)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -4,6 +4,7 @@ and gathers the `n` samples of one user request (each an engine request of its o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +31,10 @@ class _Group:
     held_block_ids: tuple[int, ...] = ()
     error: str | None = None
     times: RequestTimes | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    """They go out twice, not with every token: in the first output after the prompt is
+    computed (a stream echoes the prompt) and in the last (a whole answer)."""
 
     @property
     def finished(self) -> bool:
@@ -75,6 +80,14 @@ class OutputProcessor:
             group.held_block_ids += r.held_block_ids
             group.error = group.error or r.error
             group.times = r.times() or group.times
+            prompt = r.prompt_logprobs
+            if (
+                group.prompt_logprobs is None
+                and prompt is not None
+                and r.num_computed_tokens >= r.num_prompt_tokens
+            ):
+                self._decode(prompt)
+                group.prompt_logprobs = prompt
             if self._absorb(r, sample):
                 stopped.append(r.request_id)
             touched[group.request_id] = group
@@ -88,10 +101,7 @@ class OutputProcessor:
         out.delta_token_ids.extend(new_ids)
         if out.logprobs is not None:
             new_entries = r.logprobs[len(out.logprobs) :]
-            if self._tok is not None:
-                for entry in new_entries:
-                    for token_id in (entry.token_id, *(t for t, _ in entry.top)):
-                        entry.decoded[token_id] = self._tok.token_text(token_id)
+            self._decode(new_entries)
             out.logprobs.extend(new_entries)
         stopped = False
         if sample.detokenizer is not None:
@@ -108,6 +118,15 @@ class OutputProcessor:
             out.delta_text += sample.detokenizer.take_delta(out.finished)
             out.text = sample.detokenizer.text
         return stopped
+
+    def _decode(self, entries: Sequence[TokenLogprob | None]) -> None:
+        """Fill in the text of each entry's chosen and top tokens."""
+        if self._tok is None:
+            return
+        for entry in entries:
+            if entry is not None:
+                for token_id in (entry.token_id, *(t for t, _ in entry.top)):
+                    entry.decoded[token_id] = self._tok.token_text(token_id)
 
     def _emit(self, group: _Group) -> RequestOutput:
         outputs = []
@@ -127,6 +146,10 @@ class OutputProcessor:
             )
             out.delta_text, out.delta_token_ids = "", []
         finished = group.finished
+        prompt_logprobs = None
+        if finished or not group.prompt_logprobs_sent:
+            prompt_logprobs = group.prompt_logprobs
+            group.prompt_logprobs_sent = prompt_logprobs is not None
         if finished:
             del self._groups[group.request_id]
             for engine_id in group.samples:
@@ -139,5 +162,6 @@ class OutputProcessor:
             finished,
             held_block_ids=group.held_block_ids if finished else (),
             error=group.error,
+            prompt_logprobs=prompt_logprobs,
             times=group.times if finished else None,
         )

@@ -90,6 +90,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """With `params.prompt_logprobs`: one entry per prompt token, None for the first
+        (nothing precedes it) and for those not computed yet; set by position, so a
+        preempted request's recompute writes the same entries again."""
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.admitted_time: float | None = None
         """First left the waiting queue (blocks allocated); preemption does not reset it."""

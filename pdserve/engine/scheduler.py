@@ -138,6 +138,8 @@ class Scheduler:
                 i += 1  # its grammar is still being built; those behind it may go
                 continue
             cached = self.kv.find_cached_prefix(request.token_ids)
+            if request.params.prompt_logprobs is not None:
+                cached = []  # its logprobs need every prompt position's logits
             num_computed = len(cached) * self.kv.block_size
             num_remote = self.connector.get_num_remote_tokens(request, num_computed)
             if not num_remote and self._next_block_in_progress(request, num_computed):
@@ -201,7 +203,7 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest[Request]:
         block_ids = self.kv.block_ids(request.request_id)
         ctx = request.num_computed_tokens
-        samples = ctx + num_new == request.num_tokens
+        samples = ctx + num_new == request.num_tokens and request.params.max_tokens != 0
         return ScheduledRequest(request, num_new, ctx, tuple(block_ids), samples)
 
     def _preempt(self, request: Request) -> None:
@@ -234,10 +236,16 @@ class Scheduler:
             self.kv.cache_full_blocks(
                 request.request_id, request.token_ids, request.num_computed_tokens
             )
-            if token is None:
-                continue
-            self._append_token(request, token)
-            updated.append(request)
+            if token is not None:
+                self._append_token(request, token)
+                updated.append(request)
+            elif (
+                request.params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens
+            ):
+                # It asked for its prompt's logprobs only: done once the prompt is computed.
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                updated.append(request)
         updated.extend(self._apply(self.connector.on_step_finished(output)))
         return updated
 

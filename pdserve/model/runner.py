@@ -26,7 +26,7 @@ from pdserve.model.attention import (
 )
 from pdserve.model.loader import LoadedModel
 from pdserve.model.ops import select_ops
-from pdserve.model.sampler import grammar_masks, sample
+from pdserve.model.sampler import grammar_masks, prompt_logprobs, sample
 from pdserve.outputs import ComputeInfo, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ class ModelOutput:
     sampled: list[int | None]
     """Per scheduled entry: the new token, or None for a prefill chunk that does not sample."""
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    """Per scheduled entry of a request with `prompt_logprobs`: the entries of the prompt
+    tokens this step's chunk predicts (positions `num_context_tokens + 1` on); else None."""
 
 
 def keep_freed_memory_mapped() -> None:
@@ -119,8 +122,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         samplers = [s.request for s in output.scheduled if s.samples]
         masks = grammar_masks(samplers, self.vocab_size)
-        logits = self.forward(output)
-        tokens, entries = sample(logits, samplers, self.generator, masks)
+        scored = _prompt_rows(output)
+        logits = self.forward(output, scored_rows=[row for *_, rows in scored for row in rows])
+        tokens, entries = sample(logits[: len(samplers)], samplers, self.generator, masks)
         sampled: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         it = iter(zip(tokens, entries, strict=True))
@@ -128,16 +132,37 @@ class ModelRunner:
             token, entry = next(it) if s.samples else (None, None)
             sampled.append(token)
             logprobs.append(entry)
-        return ModelOutput(sampled, logprobs)
+        return ModelOutput(sampled, logprobs, self._prompt_logprobs(output, scored, logits))
 
-    def forward(self, output: SchedulerOutput, every_token: bool = False) -> torch.Tensor:
+    def forward(
+        self, output: SchedulerOutput, every_token: bool = False, scored_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Run the model over the step; logits (model dtype) of the entries that sample,
-        or of every new token of the step with `every_token` (scoring a text through the
-        paged cache: `pdserve bench accuracy`)."""
+        then of `scored_rows` (flat token indices of the step: prompt logprobs), or of
+        every new token of the step with `every_token` (scoring a text through the paged
+        cache: `pdserve bench accuracy`)."""
         input_ids, positions, meta, logits_indices = self._prepare(output)
         if every_token:
             logits_indices = torch.arange(input_ids.numel(), device=self.device)
+        elif scored_rows:
+            extra = torch.tensor(scored_rows, dtype=torch.long, device=self.device)
+            logits_indices = torch.cat([logits_indices, extra])
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops)
+
+    @staticmethod
+    def _prompt_logprobs(
+        output: SchedulerOutput, scored: list[tuple[int, list[int], range]], logits: torch.Tensor
+    ) -> list[list[TokenLogprob] | None] | None:
+        """The prompt logprob entries of the scored rows, whose logits follow the samplers'."""
+        if not scored:
+            return None
+        per_entry: list[list[TokenLogprob] | None] = [None] * len(output.scheduled)
+        at = int(sum(s.samples for s in output.scheduled))
+        for index, targets, rows in scored:
+            n = output.scheduled[index].request.params.prompt_logprobs or 0
+            per_entry[index] = prompt_logprobs(logits[at : at + len(rows)], targets, n)
+            at += len(rows)
+        return per_entry
 
     def _prepare(
         self, output: SchedulerOutput
@@ -275,6 +300,21 @@ class ModelRunner:
             )
             start += n
         return tuple(chunks)
+
+
+def _prompt_rows(output: SchedulerOutput) -> list[tuple[int, list[int], range]]:
+    """For each entry of a request with `prompt_logprobs` whose chunk predicts prompt
+    tokens: (its index, the prompt tokens predicted, the step's flat rows predicting them).
+    Row `p` predicts token `p + 1`; the prompt's last row samples instead."""
+    scored, offset = [], 0
+    for i, s in enumerate(output.scheduled):
+        r, start = s.request, s.num_context_tokens
+        end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
+        if r.params.prompt_logprobs is not None and end > start:
+            targets = r.token_ids[start + 1 : end + 1]
+            scored.append((i, targets, range(offset, offset + end - start)))
+        offset += s.num_new_tokens
+    return scored
 
 
 def _padded_tables(

@@ -128,6 +128,28 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
     return usage
 
 
+def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One completions answer from the answers to each of its prompts (n is 1 through the
+    proxy): choice `i` is prompt `i`'s, the usage their sum."""
+    merged = {**answers[0], "choices": []}
+    merged.pop("prompt_token_ids", None)  # per prompt: on its choice (as a node does)
+    for i, answer in enumerate(answers):
+        ids = (
+            {"prompt_token_ids": answer["prompt_token_ids"]} if "prompt_token_ids" in answer else {}
+        )
+        merged["choices"] += [{**c, "index": i, **ids} for c in answer.get("choices", [])]
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if usages:
+        merged["usage"] = {
+            key: sum(int(u.get(key) or 0) for u in usages)
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
+        cached = sum(int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                     for u in usages)  # fmt: skip
+        merged["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return merged
+
+
 def forward_error(status: int, content: bytes) -> Response:
     """An upstream error, as the same status in the OpenAI schema."""
     try:

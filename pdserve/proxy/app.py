@@ -116,11 +116,12 @@ class ProxyMetrics:
         )
         self.paths = Counter(
             "pdserve_proxy_disaggregation",
-            "Requests by path: pd (both legs) or decode_only (run whole on a decode node)",
+            "Requests by path: pd (both legs), decode_only (run whole on a decode node) or "
+            "prefill_only (a completion scoring its prompt, run whole on a prefill node)",
             ["path"],
             registry=r,
         )
-        for path in ("pd", "decode_only"):
+        for path in ("pd", "decode_only", "prefill_only"):
             self.paths.labels(path)
         self.rejected = Counter(
             "pdserve_proxy_rejected", "Requests answered 429, by reason", ["reason"], registry=r

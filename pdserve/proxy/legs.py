@@ -59,9 +59,11 @@ from pdserve.api.caller import (
     client_request_id,
 )
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
+from pdserve.api.protocol import MAX_PROMPTS
 from pdserve.errors import PdserveError
 from pdserve.proxy.answers import (
     forward_error,
+    merge_answers,
     merge_usage,
     read_answer,
     relay_stream,
@@ -106,8 +108,21 @@ async def serve_request(state: ProxyState, request: Request, path: str) -> Respo
 
 
 async def _route(state: ProxyState, client: Client, path: str, body: dict[str, Any]) -> Response:
-    """Both legs, or the decode leg alone (selective disaggregation)."""
-    prompt = state.router.prompt(body, chat=path == "/v1/chat/completions")
+    """Both legs, or the decode leg alone (selective disaggregation), or, for a completion
+    that asks for its prompt's logprobs, the whole request on a prefill node; a call with
+    several prompts, each prompt so."""
+    completions = path == "/v1/completions"
+    prompts = _several_prompts(body) if completions else None
+    if prompts is not None:
+        return await _route_each(state, client, path, body, prompts)
+    prompt = state.router.prompt(body, chat=not completions)
+    if completions and _scores_prompt(body):
+        # Its prompt's logprobs are the point (lm-eval's loglikelihood: echo, logprobs,
+        # max_tokens 0 or 1): prompt work, for a prefill node, and no handoff to make.
+        state.metrics.paths.labels("prefill_only").inc()
+        client.span.set("pdserve.path", "prefill_only")
+        return await _decode_leg(state, client, path, body, _Held(), {}, prompt, None,
+                                 state.prefill)  # fmt: skip
     decode = state.router.choose(state.decode, prompt)
     if decode is not None and state.router.runs_whole(decode, prompt):
         state.metrics.paths.labels("decode_only").inc()
@@ -136,6 +151,46 @@ async def _route(state: ProxyState, client: Client, path: str, body: dict[str, A
         raise ClientGone
     usage = answer.get("usage") or {}
     return await _decode_leg(state, client, path, body, held, usage, prompt, None)
+
+
+def _several_prompts(body: dict[str, Any]) -> list[Any] | None:
+    """A completions call's prompts when it has more than one (strings or token lists)."""
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):
+        return raw
+    return None
+
+
+def _scores_prompt(body: dict[str, Any]) -> bool:
+    """A completion that asks for its prompt's logprobs (echo with logprobs), or for
+    nothing but its prompt computed (max_tokens 0)."""
+    return body.get("max_tokens") == 0 or (
+        bool(body.get("echo")) and body.get("logprobs") is not None
+    )
+
+
+async def _route_each(
+    state: ProxyState, client: Client, path: str, body: dict[str, Any], prompts: list[Any]
+) -> Response:
+    """Several prompts in one completions call, each routed as a call of its own, at once;
+    the answers merged (choice `i` is prompt `i`'s, usage summed), or the first error."""
+    refused = "invalid_request_error"
+    if body.get("stream"):
+        why = "streaming several prompts is not supported: stream one prompt per request"
+        return error_response(400, why, refused, param="stream")
+    if len(prompts) > MAX_PROMPTS:
+        why = f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"
+        return error_response(400, why, refused, param="prompt")
+    done = await asyncio.gather(
+        *(_route(state, client, path, {**body, "prompt": p}) for p in prompts),
+        return_exceptions=True,
+    )
+    for outcome in done:
+        if isinstance(outcome, BaseException):
+            raise outcome  # the client left: each route let go of what it held
+    answers: list[Response] = [o for o in done if isinstance(o, Response)]
+    failed = next((a for a in answers if a.status_code != 200), None)
+    return failed or JSONResponse(merge_answers([json.loads(bytes(a.body)) for a in answers]))
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
@@ -259,15 +314,17 @@ async def _decode_leg(
     prefill_usage: dict[str, Any],
     prompt: Prompt | None,
     first: Backend | None,
+    pool: BackendPool | None = None,
 ) -> Response:
-    """The decode leg (with `held.kv`), or the whole request on a decode node (without);
-    `first`: the node routing already chose."""
+    """The decode leg (with `held.kv`), or the whole request on a node of `pool` (the
+    decode nodes unless named; without `held.kv`); `first`: the node routing already
+    chose."""
     leg = {**body} if held.kv is None else {**body, "kv_transfer_params": held.kv}
     if not body.get("stream"):  # read as a stream all the same: see `_decode_answer`
         leg.update(stream=True, stream_options={"include_usage": True})
     payload = json.dumps(leg).encode()
     client.stage = Stage.DECODE
-    for backend in _attempts(state, state.decode, prompt, first):
+    for backend in _attempts(state, pool or state.decode, prompt, first):
         started = time.perf_counter()
         tokens = state.router.tokens_to_compute(backend, prompt, reads_kv=held.kv is not None)
         span = _leg_span(client, "decode leg", backend)

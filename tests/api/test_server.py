@@ -151,7 +151,7 @@ def _chat(*messages: Any, **extra: Any) -> dict[str, Any]:
         (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
         (COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
-        (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
         (COMPLETIONS, {"prompt": "hi " * 3000}, 400, "prompt"),
         (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
