@@ -350,6 +350,10 @@ def _check_leg(body: Any, builder: ChoiceBuilder, kv: KVTransferSpec | None, pro
         raise InvalidRequestError("a P/D leg carries one prompt", param="prompt")
     if isinstance(kv, RemoteDecode) and body.stream:
         raise InvalidRequestError("a prefill leg (do_remote_decode) cannot stream", param="stream")
+    if isinstance(kv, RemoteDecode) and body.n != 1:
+        raise InvalidRequestError(
+            "a prefill leg samples one first token: send n on the decode leg", param="n"
+        )
     if not isinstance(kv, RemoteDecode) and builder.params.prompt_logprobs is not None:
         raise InvalidRequestError(
             "a decode leg reads the prompt's KV, not its logprobs: the prefill leg returns "

@@ -76,6 +76,9 @@ class LLMEngine:
         self._grammar_engine: structured.Grammars | None = None
         self._building: list[Request] = []
         """Requests whose grammar matcher is being built (`_grammars_built`)."""
+        self._after_load: dict[str, tuple[Request, list[Request]]] = {}
+        """Samples 2..n of a request that loads its KV, by the first's id: scheduled once
+        its load has ended (`_start_after_load`)."""
 
     # -- requests ------------------------------------------------------------------
 
@@ -98,11 +101,6 @@ class LLMEngine:
                 "max_tokens 0 computes the prompt only: it cannot be a P/D leg",
                 param="max_tokens",
             )
-        if kv_transfer is not None and params.n != 1:
-            raise InvalidRequestError(
-                "n > 1 is not supported with kv_transfer_params: send one leg per sample",
-                param="n",
-            )
         prompt_ids = self._tokenize(prompt)
         self._check_length(prompt_ids, params)
         self._check_logit_bias(params)
@@ -117,7 +115,7 @@ class LLMEngine:
                 _sample_params(params, i),
                 eos_token_ids=tuple(eos),
                 arrival_time=now,
-                kv_transfer=kv_transfer,
+                kv_transfer=kv_transfer if i == 0 else None,
             )
             for i in range(params.n)
         ]
@@ -127,6 +125,13 @@ class LLMEngine:
                 r.grammar_pending = grammars.matcher(params.grammar)
             self._building.extend(requests)
         self.outputs.add(request_id, requests)
+        first, *others = requests
+        if kv_transfer is not None and others:
+            # One handoff, n samples: the first loads the prompt's KV; the others wait
+            # for it, then find its full blocks in the prefix cache and compute only the
+            # prompt's last partial block and their own first token.
+            self._after_load[first.request_id] = (first, others)
+            requests = [first]
         for r in requests:
             self.scheduler.add_request(r)
         return request_id
@@ -176,8 +181,31 @@ class LLMEngine:
         engine_ids = [e for rid in request_ids for e in self.outputs.engine_ids(rid)]
         requests = [self.scheduler.requests[e] for e in engine_ids if e in self.scheduler.requests]
         self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
+        for first in engine_ids:
+            requests += self._end_waiting(first, RequestStatus.FINISHED_ABORTED)
         outputs, _ = self.outputs.update(requests)
         return outputs
+
+    def _start_after_load(self) -> list[RequestOutput]:
+        """Schedule the samples waiting for their first sample's KV load once it has ended
+        (its blocks are then in the prefix cache); end them with it if it failed."""
+        ended = []
+        for first, _ in list(self._after_load.values()):
+            if first.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
+                continue  # still loading
+            if first.status in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED):
+                ended += self._end_waiting(first.request_id, RequestStatus.FINISHED_ABORTED)
+                continue
+            for r in self._after_load.pop(first.request_id)[1]:
+                self.scheduler.add_request(r)
+        outputs, _ = self.outputs.update(ended)
+        return outputs
+
+    def _end_waiting(self, first_id: str, status: RequestStatus) -> list[Request]:
+        _, waiting = self._after_load.pop(first_id, (None, []))
+        for r in waiting:
+            r.status = status
+        return waiting
 
     def free_held(self, request_ids: Sequence[str]) -> list[str]:
         """Free the blocks held for these finished user requests (a prefill leg's handoff
@@ -225,6 +253,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, model_out.sampled)
         outputs, stopped = self.outputs.update(updated)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._after_load:
+            outputs += self._start_after_load()
         self.num_steps += 1
         self.step_timer.record(t1 - t0, t2 - t1, time.perf_counter() - t2, sched.num_tokens)
         return outputs
@@ -234,6 +264,8 @@ class LLMEngine:
         first token; blocks releasable)."""
         outputs, stopped = self.outputs.update(self.scheduler.tick())
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._after_load:
+            outputs += self._start_after_load()
         return outputs
 
     # -- helpers -------------------------------------------------------------------

@@ -128,16 +128,16 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
     return usage
 
 
-def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """One completions answer from the answers to each of its prompts (n is 1 through the
-    proxy): choice `i` is prompt `i`'s, the usage their sum."""
+def merge_answers(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One completions answer from the answers to each of its prompts: prompt `i`'s
+    choices are numbered from `i * n` (as a node numbers them), the usage is the sum."""
     merged = {**answers[0], "choices": []}
-    merged.pop("prompt_token_ids", None)  # per prompt: on its choice (as a node does)
+    merged.pop("prompt_token_ids", None)  # per prompt: on its choices (as a node does)
     for i, answer in enumerate(answers):
-        ids = (
-            {"prompt_token_ids": answer["prompt_token_ids"]} if "prompt_token_ids" in answer else {}
-        )
-        merged["choices"] += [{**c, "index": i, **ids} for c in answer.get("choices", [])]
+        ids = answer.get("prompt_token_ids")
+        for choice in answer.get("choices", []):
+            choice = {**choice, "index": i * n + int(choice.get("index", 0))}
+            merged["choices"].append(choice if ids is None else {**choice, "prompt_token_ids": ids})
     usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
     if usages:
         merged["usage"] = {

@@ -190,7 +190,8 @@ async def _route_each(
             raise outcome  # the client left: each route let go of what it held
     answers: list[Response] = [o for o in done if isinstance(o, Response)]
     failed = next((a for a in answers if a.status_code != 200), None)
-    return failed or JSONResponse(merge_answers([json.loads(bytes(a.body)) for a in answers]))
+    merged = merge_answers([json.loads(bytes(a.body)) for a in answers], body.get("n") or 1)
+    return failed or JSONResponse(merged)
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:
@@ -200,10 +201,6 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
         body = await read_json(request, MAX_BODY_BYTES)
     except PdserveError as e:
         return Response(status_code=499) if e.http_status == 499 else from_exception(e)
-    if body.get("n") not in (None, 1):
-        return error_response(
-            400, "n > 1 is not supported through the P/D proxy", "invalid_request_error", param="n"
-        )
     return body
 
 
@@ -213,7 +210,7 @@ async def _client_body(request: Request) -> dict[str, Any] | Response:
 async def _prefill_leg(
     state: ProxyState, client: Client, path: str, body: dict[str, Any], prompt: Prompt | None
 ) -> tuple[Backend, dict[str, Any]] | Response:
-    leg = {**body, "max_tokens": 1, "stream": False}
+    leg = {**body, "max_tokens": 1, "stream": False, "n": 1}  # n samples: the decode leg's
     leg.pop("stream_options", None)
     # No grammar work on the prefill node (structured outputs, a forced tool choice): the
     # decode node samples every token under it, the first one too (it recomputes the last

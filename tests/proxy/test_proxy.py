@@ -13,12 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import openai
 import pytest
 
 from pdserve.launch import signal_whole
+from pdserve.proxy.assembler import StreamAssembler
 from pdserve.proxy.pool import DOWN_AFTER
 from tests.api.conftest import API_KEY, Server, start_server, stop_server
 from tests.disagg.conftest import (
@@ -35,6 +37,8 @@ from tests.disagg.conftest import (
     wait_idle,
 )
 from tests.proxy.conftest import Stub
+
+_HTTP_STREAM = httpx.Client(headers=HEADERS, timeout=60)
 
 pytestmark = pytest.mark.timeout(120)
 RELEASED_WITHIN_S = RELEASE_BOUND_S + 0.1
@@ -105,11 +109,43 @@ def test_usage_takes_cached_prompt_tokens_from_the_prefill_leg(
     assert usage["prompt_tokens_details"]["cached_tokens"] == 32  # two full blocks of 16
 
 
+def test_n_samples_come_from_one_handoff_and_equal_a_single_node(
+    cluster: Cluster, proxy_for: Any
+) -> None:
+    """n > 1 through the proxy: one prefill leg (its prompt computed once), the decode node
+    samples all n (the first continues from the prefill leg's token, the others find the
+    loaded blocks in its prefix cache), seeded draws as one node draws them."""
+    proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
+    for stream in (False, True):
+        body = completion(make_prompt(40, seed=52 + stream), max_tokens=6, n=3, temperature=0.9,
+                          seed=7, logprobs=1)  # fmt: skip
+        before = kv_state(cluster.prefill)["num_prompt_tokens_computed"]
+        via = _assembled(proxy, body) if stream else post(proxy, "/v1/completions", body).json()
+        assert kv_state(cluster.prefill)["num_prompt_tokens_computed"] - before == 40
+        one = post(cluster.single, "/v1/completions", body).json()
+        assert [c["index"] for c in via["choices"]] == [0, 1, 2]
+        for field in ("token_ids", "logprobs"):
+            assert [c[field] for c in via["choices"]] == [c[field] for c in one["choices"]]
+        assert len({tuple(c["token_ids"]) for c in via["choices"]}) > 1  # distinct draws
+        assert via["usage"] == one["usage"] | {"prompt_tokens_details": ANY}
+    assert_cluster_idle(cluster)
+
+
+def _assembled(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    assembler = StreamAssembler()
+    with _HTTP_STREAM.stream("POST", f"{server.url}/v1/completions",
+                             json={**body, "stream": True,
+                                   "stream_options": {"include_usage": True}}) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                assembler.add(json.loads(line[6:]))
+    return assembler.answer()
+
+
 def test_proxy_requires_its_key_and_refuses_bad_bodies(cluster: Cluster, proxy_for: Any) -> None:
     proxy = proxy_for([cluster.prefill.url], [cluster.decode.url])
     body = completion(make_prompt(5))
     assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 401
-    assert post(proxy, "/v1/completions", {**body, "n": 2}).status_code == 400
     raw = httpx.post(f"{proxy.url}/v1/completions", content=b"{x", headers=HEADERS, timeout=10)
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     nested = b'{"a":' * 5000 + b"1" + b"}" * 5000  # a 500 before the depth cap
