@@ -11,19 +11,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
 from pydantic import BaseModel, Field
 
 from pdserve.launch import stop_all
 from tests.api.conftest import API_KEY, Server, start_servers
-from tests.api.test_structured import models
+from tests.api.test_structured import drawn_models, parse_each
 from tests.proxy.conftest import start_proxy
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,31 +78,9 @@ def test_parse_and_constraints_through_p_d(proxy: Server) -> None:
 
 
 def test_sdk_parse_of_20_generated_schemas_through_p_d(proxy: Server) -> None:
-    """Issue 34's acceptance through P/D: hypothesis draws 20 schemas (the single node's
-    property test draws the same kind); `parse` returns a validated object for each."""
-    drawn: list[type[BaseModel]] = []
-
-    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)  # fmt: skip
-    @given(models())
-    def collect(model: type[BaseModel]) -> None:
-        drawn.append(model)
-
-    collect()
+    """Issue 34's acceptance through P/D (tests/api/test_structured.py on one node)."""
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def parse(model: type[BaseModel]) -> Any:
-        done = client.chat.completions.parse(
-            model=None, messages=[{"role": "user", "content": "one"}],  # type: ignore[arg-type]
-            response_format=model, max_tokens=400, temperature=0,
-        )  # fmt: skip
-        return done.choices[0].message.parsed
-
-    with ThreadPoolExecutor(8) as pool:
-        parsed = list(pool.map(parse, drawn))
-    assert len(drawn) == 20
-    for model, value in zip(drawn, parsed, strict=True):
-        assert isinstance(value, model), (model.model_json_schema(), value)
+    parse_each(client, drawn_models(), None)
 
 
 def test_forced_tool_calls_through_p_d(proxy: Server) -> None:
