@@ -217,6 +217,7 @@ async def _prefill_leg(
     # prompt position for it).
     leg.pop("response_format", None)
     leg.pop("structured_outputs", None)
+    leg.pop("echo", None)  # the decode leg echoes the prompt
     if leg.get("tools"):
         leg["tool_choice"] = "none"  # the same prompt (tools stay in it), no grammar
     if "max_completion_tokens" in body:
@@ -340,7 +341,7 @@ async def _decode_leg(
             if not isinstance(e, ClientGone):
                 backend.record_leg(False)
             if isinstance(e, Unreachable):
-                logger.warning("decode node unreachable: %s", e)
+                logger.warning("%s node unreachable: %s", backend.role, e)
                 backend.record(False)
                 continue  # never reached the node: the handoff is still held for another
             await held.release()
@@ -366,7 +367,8 @@ async def _decode_leg(
             span.end()
     await held.release()
     state.metrics.requests.labels("upstream_error").inc()
-    return error_response(503, "no decode node is available", "service_unavailable")
+    role = (pool or state.decode).role
+    return error_response(503, f"no {role} node is available", "service_unavailable")
 
 
 async def _decode_refused(state: ProxyState, response: UpstreamResponse, held: _Held) -> Response:
