@@ -83,6 +83,7 @@ def test_cancels_are_labelled_by_the_proxys_record_not_by_their_plan() -> None:
     assert table[stage_label("prefill")]["prefill_release_ms"] == [4.0]
 
 
+@pytest.mark.system
 @pytest.mark.timeout(400)
 def test_ci_sized_chaos_run_passes_with_every_fault(tiny_kernels_model: Any, tmp_path: Any) -> None:
     """Two prefill and two decode nodes, each kind of fault. In two network namespaces where

@@ -16,6 +16,7 @@ from tests.proxy.conftest import chat_model_dir  # noqa: F401  (the session fixt
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.system
 def test_bench_routing_runs_every_row(
     chat_model_dir: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

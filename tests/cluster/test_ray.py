@@ -34,7 +34,7 @@ from tests.disagg.conftest import (
 from tests.proxy.conftest import chat_model_dir  # noqa: F401  (a fixture: the tiny model that chats)
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.system]
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LEASE_S = 2.0

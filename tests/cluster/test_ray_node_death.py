@@ -23,7 +23,7 @@ from tests.cluster.test_ray import (
 from tests.disagg.conftest import completion, make_prompt
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.system]
 
 
 @pytest.fixture(scope="module")
