@@ -258,6 +258,30 @@ class ChoiceBuilder:
         return {**self._envelope([], chunk=True), "usage": self.usage(self._last)}
 
 
+def merge_answers(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One completions answer from the answers to each of its prompts: prompt `i`'s
+    choices are numbered from `i * n` (as a node numbers them), the usage is the sum."""
+    merged = {**answers[0], "choices": []}
+    merged.pop("prompt_token_ids", None)  # per prompt: on its choices (as a node does)
+    for i, answer in enumerate(answers):
+        ids = answer.get("prompt_token_ids")
+        for choice in answer.get("choices", []):
+            # j-th sample of prompt i, whether its answer numbered it j (a node's answer
+            # to one prompt) or i * n + j already (this node's builders for prompt i)
+            choice = {**choice, "index": i * n + int(choice.get("index", 0)) % n}
+            merged["choices"].append(choice if ids is None else {**choice, "prompt_token_ids": ids})
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if usages:
+        merged["usage"] = {
+            key: sum(int(u.get(key) or 0) for u in usages)
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
+        cached = sum(int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                     for u in usages)  # fmt: skip
+        merged["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return merged
+
+
 def _finish_with_calls(reason: str | None) -> str | None:
     """An answer that ends in tool calls ends with "tool_calls" (OpenAI's), unless it ran
     out of tokens ("length" stays: the last call may be cut)."""

@@ -34,11 +34,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.api.batched import generate_many
 from pdserve.api.caller import (
-    ClientGone,
     client_request_id,
     request_span,
-    unless_gone,
     unless_gone_closing,
     wait_disconnect,
 )
@@ -56,7 +55,7 @@ from pdserve.api.errors import (
 from pdserve.api.live import LiveRequests
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.openapi import openapi_document
-from pdserve.api.pd_legs import NodeLegs, last_output
+from pdserve.api.pd_legs import NodeLegs
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
 from pdserve.api.responses import ChoiceBuilder, Echo
 from pdserve.api.tokenize import Tokenization
@@ -231,7 +230,7 @@ async def _serve(
     keep_registered = False
     try:
         if len(inputs) > 1:
-            return await _generate_many(state, request, inputs, builder, echoes)
+            return await generate_many(state, request, inputs, builder, echoes, body.stream)
         builder.echo = echoes[0] if echoes else None
         if isinstance(kv, RemoteDecode):
             return await state.legs.serve_prefill_leg(request, inputs[0], builder, kv, caller_id)
@@ -339,11 +338,6 @@ def _engine_inputs(body: Any, chat: bool) -> list[dict[str, Any]]:
 
 def _check_leg(body: Any, builder: ChoiceBuilder, kv: KVTransferSpec | None, prompts: int) -> None:
     """What a request with several prompts, or a P/D leg, cannot ask for (400s)."""
-    if prompts > 1 and body.stream:
-        raise InvalidRequestError(
-            "streaming several prompts is not supported: stream one prompt per request",
-            param="stream",
-        )
     if kv is None:
         return
     if prompts > 1:
@@ -375,67 +369,6 @@ async def _echoes(state: ServerState, body: Any, inputs: list[dict[str, Any]]) -
         Echo(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False), tok.token_text)
         for p in (i["prompt"] for i in inputs)
     ]
-
-
-async def _generate_many(
-    state: ServerState,
-    request: Request,
-    inputs: list[dict[str, Any]],
-    builder: ChoiceBuilder,
-    echoes: list[Echo] | None,
-) -> Response:
-    """A completions call with several prompts: one engine request each (`ID-i`, aborted
-    by the call's id too), run together; prompt `i`'s choices are numbered from `i * n`,
-    the usage is the sum."""
-    caller_id = client_request_id(request.headers)
-    ids = [f"{builder.request_id}-{i}" for i in range(len(inputs))]
-    for sub in ids:
-        state.live.add(sub, caller_id)
-        state.live.add(sub, builder.request_id)
-    runs = [
-        state.metrics.track(
-            state.client.generate(sub, builder.params, **one), request_span(request, sub)
-        )
-        for sub, one in zip(ids, inputs, strict=True)
-    ]
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    waits = [asyncio.ensure_future(last_output(run)) for run in runs]
-    try:
-        finals = await unless_gone(asyncio.gather(*waits), gone)
-    except ClientGone:
-        return Response(status_code=499)
-    except PdserveError as e:
-        state.metrics.request_failed(f"http_{e.http_status}")
-        return from_exception(e)
-    finally:
-        gone.cancel()
-        for wait in waits:
-            wait.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-        for run in runs:
-            await run.aclose()  # aborts what still runs
-        for sub in ids:
-            state.live.remove(sub, caller_id)
-            state.live.remove(sub, builder.request_id)
-    answers = [
-        builder.for_prompt(i, echoes[i] if echoes else None).full_response(final)
-        for i, final in enumerate(finals)
-    ]
-    response = {**answers[0], "choices": [c for a in answers for c in a["choices"]]}
-    usage = [a["usage"] for a in answers]
-    response["usage"] = {
-        **{k: sum(u[k] for u in usage) for k in ("prompt_tokens", "completion_tokens",
-                                                 "total_tokens")},
-        "prompt_tokens_details": {
-            "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
-        },
-    }  # fmt: skip
-    if builder.return_token_ids:  # per prompt, on its choices (as vLLM does)
-        del response["prompt_token_ids"]
-        for answer, final in zip(answers, finals, strict=True):
-            for choice in answer["choices"]:
-                choice["prompt_token_ids"] = list(final.prompt_token_ids)
-    return JSONResponse(response)
 
 
 async def _abort_on_disconnect(

@@ -59,11 +59,9 @@ from pdserve.api.caller import (
     client_request_id,
 )
 from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
-from pdserve.api.protocol import MAX_PROMPTS
 from pdserve.errors import PdserveError
 from pdserve.proxy.answers import (
     forward_error,
-    merge_answers,
     merge_usage,
     read_answer,
     relay_stream,
@@ -72,6 +70,7 @@ from pdserve.proxy.answers import (
     upstream_failure,
 )
 from pdserve.proxy.assembler import StreamAssembler
+from pdserve.proxy.batched import route_each, several_prompts
 from pdserve.proxy.client import Client, Stage
 from pdserve.proxy.pool import Backend, BackendPool
 from pdserve.proxy.routing import Prompt
@@ -112,9 +111,9 @@ async def _route(state: ProxyState, client: Client, path: str, body: dict[str, A
     that asks for its prompt's logprobs, the whole request on a prefill node; a call with
     several prompts, each prompt so."""
     completions = path == "/v1/completions"
-    prompts = _several_prompts(body) if completions else None
+    prompts = several_prompts(body) if completions else None
     if prompts is not None:
-        return await _route_each(state, client, path, body, prompts)
+        return await route_each(state, client, path, body, prompts, _route)
     prompt = state.router.prompt(body, chat=not completions)
     if completions and _scores_prompt(body):
         # Its prompt's logprobs are the point (lm-eval's loglikelihood: echo, logprobs,
@@ -153,45 +152,12 @@ async def _route(state: ProxyState, client: Client, path: str, body: dict[str, A
     return await _decode_leg(state, client, path, body, held, usage, prompt, None)
 
 
-def _several_prompts(body: dict[str, Any]) -> list[Any] | None:
-    """A completions call's prompts when it has more than one (strings or token lists)."""
-    raw = body.get("prompt")
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):
-        return raw
-    return None
-
-
 def _scores_prompt(body: dict[str, Any]) -> bool:
     """A completion that asks for its prompt's logprobs (echo with logprobs), or for
     nothing but its prompt computed (max_tokens 0)."""
     return body.get("max_tokens") == 0 or (
         bool(body.get("echo")) and body.get("logprobs") is not None
     )
-
-
-async def _route_each(
-    state: ProxyState, client: Client, path: str, body: dict[str, Any], prompts: list[Any]
-) -> Response:
-    """Several prompts in one completions call, each routed as a call of its own, at once;
-    the answers merged (choice `i` is prompt `i`'s, usage summed), or the first error."""
-    refused = "invalid_request_error"
-    if body.get("stream"):
-        why = "streaming several prompts is not supported: stream one prompt per request"
-        return error_response(400, why, refused, param="stream")
-    if len(prompts) > MAX_PROMPTS:
-        why = f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"
-        return error_response(400, why, refused, param="prompt")
-    done = await asyncio.gather(
-        *(_route(state, client, path, {**body, "prompt": p}) for p in prompts),
-        return_exceptions=True,
-    )
-    for outcome in done:
-        if isinstance(outcome, BaseException):
-            raise outcome  # the client left: each route let go of what it held
-    answers: list[Response] = [o for o in done if isinstance(o, Response)]
-    failed = next((a for a in answers if a.status_code != 200), None)
-    merged = merge_answers([json.loads(bytes(a.body)) for a in answers], body.get("n") or 1)
-    return failed or JSONResponse(merged)
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:

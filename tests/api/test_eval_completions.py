@@ -5,12 +5,14 @@ SDK against a node on the default model in float32."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from pdserve.proxy.assembler import StreamAssembler
 from tests.api.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,6 +101,30 @@ def test_an_echoed_stream_is_the_whole_answer(client: openai.OpenAI) -> None:
     assert offsets == whole.logprobs.text_offset
 
 
+def test_several_prompts_stream_as_their_whole_answer(server: Server) -> None:
+    body = {"prompt": [PROMPT, "One, two, three,"], "max_tokens": 6, "temperature": 0, "n": 2,
+            "logprobs": 1, "echo": True, "return_token_ids": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assembler = StreamAssembler()
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, headers=headers,
+                      timeout=60) as events:  # fmt: skip
+        lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assembler.add(json.loads(line[len("data: ") :]))
+    answer, expected = assembler.answer(), whole.json()
+    assert answer["usage"] == expected["usage"]
+    # Equal but for the last bits of logprobs: a step's rows depend on what shares it.
+    for got, want in zip(answer["choices"], expected["choices"], strict=True):
+        got_lp, want_lp = got.pop("logprobs"), want.pop("logprobs")
+        assert got == want
+        assert got_lp["tokens"] == want_lp["tokens"]
+        assert got_lp["text_offset"] == want_lp["text_offset"]
+        assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-4)
+
+
 def test_max_tokens_zero_answers_nothing(client: openai.OpenAI) -> None:
     done = client.completions.create(model="default", prompt=PROMPT, max_tokens=0)
     assert done.choices[0].text == "" and done.choices[0].finish_reason == "length"
@@ -110,7 +136,6 @@ def test_max_tokens_zero_answers_nothing(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": [PROMPT, PROMPT], "stream": True}, "stream"),
         ({"prompt": [PROMPT, ""]}, "prompt"),
         ({"prompt": [PROMPT] * 257}, "prompt"),
         ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),

@@ -147,5 +147,14 @@ def test_evaluation_completions_through_p_d(proxy: Server) -> None:
     assert nothing.choices[0].text == "abc" and nothing.usage.completion_tokens == 0  # type: ignore[union-attr]
     echoed = client.completions.create(model=None, prompt="abc", max_tokens=3, echo=True)  # type: ignore[arg-type]
     assert echoed.choices[0].text.startswith("abc")  # through both legs: the decode leg echoes
-    with pytest.raises(openai.BadRequestError, match="several prompts"):
-        client.completions.create(model=None, prompt=prompts, stream=True)  # type: ignore[arg-type]
+    usage_too = {"include_usage": True}
+    streamed = client.completions.create(model=None, prompt=prompts, max_tokens=4, stream=True,  # type: ignore[arg-type]
+                                         temperature=0, stream_options=usage_too)  # fmt: skip
+    texts, usage = ["", ""], None
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    whole = client.completions.create(model=None, prompt=prompts, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    assert texts == [c.text for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 8  # type: ignore[union-attr]

@@ -1,0 +1,162 @@
+"""A completions call with several prompts (lm-eval's batches, OpenAI's legacy API): one
+engine request per prompt (`ID-i`, aborted by the call's id too), run together. Prompt
+`i`'s choices are numbered from `i * n`; a whole answer sums the usage and carries each
+prompt's ids on its choices (`merge_answers`); a stream interleaves the prompts' chunks as
+they come, then one usage chunk with the sums."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.api.caller import (
+    ClientGone,
+    client_request_id,
+    request_span,
+    unless_gone,
+    wait_disconnect,
+)
+from pdserve.api.errors import error_body, from_exception
+from pdserve.api.pd_legs import last_output
+from pdserve.api.responses import ChoiceBuilder, Echo, merge_answers
+from pdserve.errors import PdserveError
+from pdserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pdserve.api.server import ServerState
+
+Outputs = AsyncGenerator[RequestOutput, None]
+
+
+async def generate_many(
+    state: ServerState,
+    request: Request,
+    inputs: list[dict[str, Any]],
+    builder: ChoiceBuilder,
+    echoes: list[Echo] | None,
+    stream: bool,
+) -> Response:
+    caller_id = client_request_id(request.headers)
+    ids = [f"{builder.request_id}-{i}" for i in range(len(inputs))]
+    for sub in ids:
+        state.live.add(sub, caller_id)
+        state.live.add(sub, builder.request_id)
+    runs = [
+        state.metrics.track(
+            state.client.generate(sub, builder.params, **one), request_span(request, sub)
+        )
+        for sub, one in zip(ids, inputs, strict=True)
+    ]
+    builders = [builder.for_prompt(i, echoes[i] if echoes else None) for i in range(len(ids))]
+
+    def unregister() -> None:
+        for sub in ids:
+            state.live.remove(sub, caller_id)
+            state.live.remove(sub, builder.request_id)
+
+    if stream:
+        watcher = asyncio.create_task(_abort_on_disconnect(state, request, ids))
+
+        def finish_stream() -> None:
+            watcher.cancel()
+            unregister()
+
+        return StreamingResponse(
+            _sse(state, builders, runs),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(finish_stream),
+        )
+    try:
+        finals = await _all_finished(request, runs)
+    except ClientGone:
+        return Response(status_code=499)
+    except PdserveError as e:
+        state.metrics.request_failed(f"http_{e.http_status}")
+        return from_exception(e)
+    finally:
+        unregister()
+    answers = [b.full_response(final) for b, final in zip(builders, finals, strict=True)]
+    return JSONResponse(merge_answers(answers, builder.params.n))
+
+
+async def _all_finished(request: Request, runs: list[Outputs]) -> list[RequestOutput]:
+    """Each run's finished output; closes every run (aborting what still runs) when the
+    client leaves (ClientGone) or one fails (its PdserveError)."""
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    waits = [asyncio.ensure_future(last_output(run)) for run in runs]
+    try:
+        return await unless_gone(asyncio.gather(*waits), gone)
+    finally:
+        gone.cancel()
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        for run in runs:
+            await run.aclose()
+
+
+async def _sse(
+    state: ServerState, builders: list[ChoiceBuilder], runs: list[Outputs]
+) -> AsyncGenerator[str, None]:
+    """The prompts' chunks as their outputs come, then one usage chunk (when asked) with
+    the sums; an error in any ends the stream with an error event (as one prompt's does)
+    and aborts the others. Closing this generator (client gone) aborts them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | PdserveError]] = asyncio.Queue()
+
+    async def pump(i: int, run: Outputs) -> None:
+        try:
+            async for output in run:
+                await queue.put((i, output))
+        except PdserveError as e:
+            await queue.put((i, e))
+
+    pumps = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    seen: set[int] = set()
+    try:
+        unfinished = len(runs)
+        while unfinished:
+            i, item = await queue.get()
+            if isinstance(item, PdserveError):
+                raise item
+            for chunk in builders[i].stream_chunks(item):
+                ids = chunk.pop("prompt_token_ids", None) or item.prompt_token_ids
+                with_prompt_ids(chunk, ids if builders[i].return_token_ids else None, seen)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            unfinished -= item.finished
+        usages = [u for u in (b.usage_chunk() for b in builders) if u is not None]
+        if usages:
+            merged = merge_answers(usages, 1)
+            yield f"data: {json.dumps({**usages[0], 'usage': merged['usage']})}\n\n"
+    except PdserveError as e:
+        state.metrics.request_failed(f"http_{e.http_status}")
+        yield f"data: {json.dumps(error_body(e))}\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for run in runs:
+            await run.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def with_prompt_ids(chunk: dict[str, Any], ids: list[int] | None, seen: set[int]) -> None:
+    """A chunk of a stream with several prompts: its prompt's ids (`return_token_ids`) go
+    on each choice's first chunk, as a whole answer has them on each choice, not at the
+    top where they would name one prompt."""
+    for choice in chunk.get("choices") or []:
+        if ids is not None and choice.get("index") not in seen:
+            choice["prompt_token_ids"] = list(ids)
+        seen.add(choice.get("index"))
+
+
+async def _abort_on_disconnect(state: ServerState, request: Request, ids: list[str]) -> None:
+    """A stream notices a gone client only at its next write; this aborts at once."""
+    await wait_disconnect(request)
+    await state.client.abort(ids)
