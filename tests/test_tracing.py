@@ -115,12 +115,22 @@ def collector() -> Iterator[Collector]:
         httpd.server_close()
 
 
-def wait_for_spans(collector: Collector, trace_id: str, names: set[str]) -> list[ReceivedSpan]:
-    """The trace's spans once every name in `names` arrived (spans go in batches)."""
+def wait_for_spans(
+    collector: Collector,
+    trace_id: str,
+    names: set[str],
+    sent_by: frozenset[tuple[str, str]] = frozenset(),
+) -> list[ReceivedSpan]:
+    """The trace's spans once every name in `names`, and every (service, name) in
+    `sent_by`, arrived: each process sends its spans in batches of its own, so a name
+    that several services use (`POST /v1/completions`) may arrive from one before another."""
     deadline = time.monotonic() + 15
     while True:
         spans = collector.trace(trace_id)
-        if names <= {s.name for s in spans} or time.monotonic() > deadline:
+        arrived = names <= {s.name for s in spans} and sent_by <= {
+            (s.service, s.name) for s in spans
+        }
+        if arrived or time.monotonic() > deadline:
             return spans
         time.sleep(0.1)
 
@@ -166,7 +176,10 @@ def test_one_pd_request_is_one_trace_across_proxy_and_nodes(
         assert r.status_code == 200
 
         phases = {"queue", "kv_load", "prefill", "decode"}
-        spans = wait_for_spans(collector, CLIENT_TRACE_ID, {"prefill leg", "decode leg"} | phases)
+        posts = frozenset((f"pdserve-{r}", "POST /v1/completions") for r in ("prefill", "decode"))
+        spans = wait_for_spans(
+            collector, CLIENT_TRACE_ID, {"prefill leg", "decode leg"} | phases, posts
+        )
         root = one(spans, "pdserve-proxy", "POST /v1/completions")
         assert root.parent_id == CLIENT_SPAN_ID  # the client's trace goes on
         assert root.attributes["pdserve.path"] == "pd"
