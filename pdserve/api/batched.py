@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from pdserve.api.server import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]
+T = TypeVar("T")
 
 
 async def generate_many(
@@ -108,28 +110,14 @@ async def _sse(
     """The prompts' chunks as their outputs come, then one usage chunk (when asked) with
     the sums; an error in any ends the stream with an error event (as one prompt's does)
     and aborts the others. Closing this generator (client gone) aborts them all."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | PdserveError]] = asyncio.Queue()
-
-    async def pump(i: int, run: Outputs) -> None:
-        try:
-            async for output in run:
-                await queue.put((i, output))
-        except PdserveError as e:
-            await queue.put((i, e))
-
-    pumps = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
     seen: set[int] = set()
     try:
-        unfinished = len(runs)
-        while unfinished:
-            i, item = await queue.get()
-            if isinstance(item, PdserveError):
-                raise item
-            for chunk in builders[i].stream_chunks(item):
-                ids = chunk.pop("prompt_token_ids", None) or item.prompt_token_ids
-                with_prompt_ids(chunk, ids if builders[i].return_token_ids else None, seen)
-                yield f"data: {json.dumps(chunk)}\n\n"
-            unfinished -= item.finished
+        async with aclosing(interleaved(runs)) as outputs:  # closed with this generator
+            async for i, output in outputs:
+                for chunk in builders[i].stream_chunks(output):
+                    ids = chunk.pop("prompt_token_ids", None) or output.prompt_token_ids
+                    with_prompt_ids(chunk, ids if builders[i].return_token_ids else None, seen)
+                    yield f"data: {json.dumps(chunk)}\n\n"
         usages = [u for u in (b.usage_chunk() for b in builders) if u is not None]
         if usages:
             merged = merge_answers(usages, 1)
@@ -137,13 +125,45 @@ async def _sse(
     except PdserveError as e:
         state.metrics.request_failed(f"http_{e.http_status}")
         yield f"data: {json.dumps(error_body(e))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def interleaved(
+    sources: Sequence[AsyncIterable[T]],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """The items of several async iterators as they come, each with its source's index,
+    until all have ended; an exception in one is raised here. Closing this (or that
+    exception) stops and closes them all: a run's close aborts it, a relay's closes its
+    leg."""
+    queue: asyncio.Queue[tuple[int, T | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncIterable[T]) -> None:
+        try:
+            async for item in source:
+                await queue.put((i, item))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        running = len(sources)
+        while running:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+                continue
+            yield i, item
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-        for run in runs:
-            await run.aclose()
-    yield "data: [DONE]\n\n"
+        for source in sources:
+            close = getattr(source, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def with_prompt_ids(chunk: dict[str, Any], ids: list[int] | None, seen: set[int]) -> None:

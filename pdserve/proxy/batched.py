@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.batched import with_prompt_ids
+from pdserve.api.batched import interleaved, with_prompt_ids
 from pdserve.api.errors import error_response
 from pdserve.api.protocol import MAX_PROMPTS
 from pdserve.api.responses import merge_answers
@@ -73,50 +74,29 @@ async def route_each(
 async def _merged(streams: list[StreamingResponse], n: int) -> AsyncIterator[bytes]:
     """The prompts' SSE events as they come, choices renumbered; their usage chunks held
     back and sent summed, then one `[DONE]`. Closing it closes every prompt's stream."""
-    queue: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: StreamingResponse) -> None:
-        try:
-            async for piece in stream.body_iterator:
-                data = piece if isinstance(piece, bytes) else str(piece).encode()
-                for line in data.splitlines():
-                    await queue.put((i, line))
-        finally:
-            await queue.put((i, None))
-
-    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     usages: list[dict[str, Any]] = []
     prompt_ids: dict[int, list[int]] = {}
     seen: set[int] = set()
-    try:
-        ended = 0
-        while ended < len(streams):
-            i, line = await queue.get()
-            if line is None:
-                ended += 1
-                continue
-            if not line.startswith(b"data: {"):
-                continue  # blank separators and each prompt's [DONE]: ours come below
-            event = json.loads(line[len(b"data: ") :])
-            if isinstance(event.get("usage"), dict) and not event.get("choices"):
-                usages.append(event)
-                continue
-            for choice in event.get("choices") or []:
-                choice["index"] = i * n + int(choice.get("index", 0))
-            if "prompt_token_ids" in event:
-                prompt_ids[i] = event.pop("prompt_token_ids")
-            with_prompt_ids(event, prompt_ids.get(i), seen)
-            yield b"data: " + json.dumps(event).encode() + b"\n\n"
-        if usages:
-            usage = merge_answers(usages, n)["usage"]
-            yield b"data: " + json.dumps({**usages[0], "usage": usage}).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        for stream in streams:
-            await _close(stream)
+    async with aclosing(interleaved([s.body_iterator for s in streams])) as pieces:
+        async for i, piece in pieces:
+            data = piece if isinstance(piece, bytes) else str(piece).encode()
+            for line in data.splitlines():
+                if not line.startswith(b"data: {"):
+                    continue  # blank separators and each prompt's [DONE]: ours come below
+                event = json.loads(line[len(b"data: ") :])
+                if isinstance(event.get("usage"), dict) and not event.get("choices"):
+                    usages.append(event)
+                    continue
+                for choice in event.get("choices") or []:
+                    choice["index"] = i * n + int(choice.get("index", 0))
+                if "prompt_token_ids" in event:
+                    prompt_ids[i] = event.pop("prompt_token_ids")
+                with_prompt_ids(event, prompt_ids.get(i), seen)
+                yield b"data: " + json.dumps(event).encode() + b"\n\n"
+    if usages:
+        usage = merge_answers(usages, n)["usage"]
+        yield b"data: " + json.dumps({**usages[0], "usage": usage}).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _close(stream: StreamingResponse) -> None:

@@ -6,6 +6,7 @@ SDK against a node on the default model in float32."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from pdserve.proxy.assembler import StreamAssembler
-from tests.api.conftest import API_KEY, Server
+from tests.api.conftest import API_KEY, Server, kv_counters
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,6 +124,22 @@ def test_several_prompts_stream_as_their_whole_answer(server: Server) -> None:
         assert got_lp["tokens"] == want_lp["tokens"]
         assert got_lp["text_offset"] == want_lp["text_offset"]
         assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-4)
+
+
+def test_a_client_leaving_a_stream_of_several_prompts_aborts_them_all(server: Server) -> None:
+    body = {"prompt": [PROMPT, "Once upon a time"], "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers,
+                      timeout=60) as events:  # fmt: skip
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                break  # both are running now; leave
+    deadline = time.monotonic() + 10
+    while kv_counters(server)["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_counters(server)["num_running"] == 0
+    assert time.monotonic() < deadline
 
 
 def test_max_tokens_zero_answers_nothing(client: openai.OpenAI) -> None:
