@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.caller import (
     ClientGone,
+    abort_on_disconnect,
     client_request_id,
     request_span,
     unless_gone,
@@ -63,7 +64,7 @@ async def generate_many(
             state.live.remove(sub, builder.request_id)
 
     if stream:
-        watcher = asyncio.create_task(_abort_on_disconnect(state, request, ids))
+        watcher = asyncio.create_task(abort_on_disconnect(request, state.client, ids))
 
         def finish_stream() -> None:
             watcher.cancel()
@@ -119,9 +120,8 @@ async def _sse(
                     with_prompt_ids(chunk, ids if builders[i].return_token_ids else None, seen)
                     yield f"data: {json.dumps(chunk)}\n\n"
         usages = [u for u in (b.usage_chunk() for b in builders) if u is not None]
-        if usages:
-            merged = merge_answers(usages, 1)
-            yield f"data: {json.dumps({**usages[0], 'usage': merged['usage']})}\n\n"
+        if usages:  # usage chunks have no choices: merged, their usage is summed
+            yield f"data: {json.dumps(merge_answers(usages, 1))}\n\n"
     except PdserveError as e:
         state.metrics.request_failed(f"http_{e.http_status}")
         yield f"data: {json.dumps(error_body(e))}\n\n"
@@ -174,9 +174,3 @@ def with_prompt_ids(chunk: dict[str, Any], ids: list[int] | None, seen: set[int]
         if ids is not None and choice.get("index") not in seen:
             choice["prompt_token_ids"] = list(ids)
         seen.add(choice.get("index"))
-
-
-async def _abort_on_disconnect(state: ServerState, request: Request, ids: list[str]) -> None:
-    """A stream notices a gone client only at its next write; this aborts at once."""
-    await wait_disconnect(request)
-    await state.client.abort(ids)

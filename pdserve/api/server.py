@@ -36,10 +36,10 @@ from starlette.routing import Route
 
 from pdserve.api.batched import generate_many
 from pdserve.api.caller import (
+    abort_on_disconnect,
     client_request_id,
     request_span,
     unless_gone_closing,
-    wait_disconnect,
 )
 from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.edge import OPEN_PATHS, EdgeMiddleware
@@ -290,7 +290,7 @@ def _stream(
     # A streaming response only notices a gone client when its next write fails, one
     # token later; this watcher aborts as soon as the disconnect message arrives.
     request_id = builder.request_id
-    watcher = asyncio.create_task(_abort_on_disconnect(request, state.client, request_id))
+    watcher = asyncio.create_task(abort_on_disconnect(request, state.client, [request_id]))
     caller_id = client_request_id(request.headers)
 
     def finish_stream() -> None:
@@ -369,13 +369,6 @@ async def _echoes(state: ServerState, body: Any, inputs: list[dict[str, Any]]) -
         Echo(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False), tok.token_text)
         for p in (i["prompt"] for i in inputs)
     ]
-
-
-async def _abort_on_disconnect(
-    request: Request, client: AsyncEngineClient, request_id: str
-) -> None:
-    await wait_disconnect(request)
-    await client.abort([request_id])  # idempotent: the stream's own cleanup aborts again
 
 
 async def _sse(

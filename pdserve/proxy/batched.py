@@ -93,9 +93,8 @@ async def _merged(streams: list[StreamingResponse], n: int) -> AsyncIterator[byt
                     prompt_ids[i] = event.pop("prompt_token_ids")
                 with_prompt_ids(event, prompt_ids.get(i), seen)
                 yield b"data: " + json.dumps(event).encode() + b"\n\n"
-    if usages:
-        usage = merge_answers(usages, n)["usage"]
-        yield b"data: " + json.dumps({**usages[0], "usage": usage}).encode() + b"\n\n"
+    if usages:  # usage chunks have no choices: merged, their usage is summed
+        yield b"data: " + json.dumps(merge_answers(usages, n)).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
