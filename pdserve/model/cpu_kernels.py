@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pdserve import envs
 from pdserve.model import cpu_isa, kv_format
@@ -100,6 +101,7 @@ _SIGNATURES = {
     "pd_amx_available": [],
     "pd_linear_quant": [_P, _P, _I, _P, _P, _I, _I, _I],
     "pd_dequantize": [_P, _I, _P, _I, _I],
+    "pd_logits": [_P, _P, _I, _P, _P, _I, _I, _I],
 }
 _RETURNS_INT = (
     "pd_decode_attention",
@@ -109,6 +111,7 @@ _RETURNS_INT = (
     "pd_decode_layers",
     "pd_linear_quant",
     "pd_dequantize",
+    "pd_logits",
 )
 
 
@@ -307,6 +310,24 @@ class CpuKernels:
         args = (layer.qweight.data_ptr(), int(layer.qtype), _ptr(layer.bias), y.data_ptr())
         if self._lib.pd_linear_quant(x.data_ptr(), *args, m, layer.out_features, k) != 0:
             raise ValueError(f"no kernel for {layer.qtype.label} weights")
+        return y
+
+    def logits(self, x: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """bf16 library: x [M, K] times the LM head's weight (dense bf16, or blocks) ->
+        float32 [M, N], any M (`pd_logits`). A dense K the kernel does not take: the
+        linear's bf16 output, widened."""
+        m, k = x.shape
+        if isinstance(head, QuantLinear):
+            weight, qtype, bias = head.qweight, int(head.qtype), head.bias
+        elif k % self.k_multiple == 0:
+            weight, qtype, bias = head.weight, 0, head.bias
+        else:
+            return torch.nn.functional.linear(x, head.weight, head.bias).float()
+        y = torch.empty((m, weight.shape[0]), dtype=torch.float32)
+        x = x.contiguous()
+        args = (weight.data_ptr(), qtype, _ptr(bias), y.data_ptr(), m, weight.shape[0], k)
+        if self._lib.pd_logits(x.data_ptr(), *args) != 0:
+            raise ValueError(f"no kernel for {head.qtype.label} weights")
         return y
 
     def dequantize(self, data: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:

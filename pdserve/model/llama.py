@@ -209,12 +209,12 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
         ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
-        """Run one step; return logits for the tokens at `logits_indices` only, in the
-        model's dtype (the LM head's output as computed: the sampler widens to float32
-        only what it computes with)."""
+        """Run one step; return logits for the tokens at `logits_indices` only, as
+        `ops.logits` computes them (float32 on the bf16 CPU kernels, else the model's
+        dtype: the sampler widens to float32 only what it computes with)."""
         x = ops.embed(self.embed_tokens, input_ids)
         rope = ops.rope(self.rotary, positions, x.dtype)
         delta = ops.run_layers(self, x, rope, kv_cache, meta)
         x = x[logits_indices]
         h = ops.add_rms_norm(x, None if delta is None else delta[logits_indices], self.norm)
-        return ops.linear(h, self.lm_head)
+        return ops.logits(h, self.lm_head)

@@ -201,10 +201,6 @@ def plan_quantization(
         )
     elif any(k % BLOCK for k in inner):
         why_not = f"the model's inner sizes {inner} are not multiples of {BLOCK}"
-    elif asked == "auto" and dtype != torch.float32:
-        # bf16 kernels on dense bf16 weights are as fast from 8 rows up, and the blocks'
-        # float products would add a second rounding path beside bf16's (docs/benchmarks.md).
-        why_not = f"{str(dtype).removeprefix('torch.')} computes on dense weights"
     if why_not is not None:
         if asked != "auto":
             raise ConfigError(f"quantization {asked} computes on the CPU kernels, but {why_not}")

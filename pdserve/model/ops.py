@@ -57,6 +57,10 @@ class TorchOps:
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """The LM head's output; here in the model's dtype (the sampler widens it)."""
+        return self.linear(h, head)
+
     def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return table(ids)
 
@@ -232,6 +236,14 @@ class CpuKernelOps(TorchOps):
         if route == "amx":
             return self.k.linear_amx(x, _amx_weight(self.k, layer), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """bf16: float32 logits from the bf16 activations and the weight as kept
+        (`pd_logits`), so greedy picks and logprobs are not decided by rounding the logits
+        to bf16. float32: the linear."""
+        if self.k.dtype != torch.bfloat16:
+            return self.linear(h, head)
+        return self.k.logits(h, head)
 
     def embed(self, table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(table, QuantEmbedding):

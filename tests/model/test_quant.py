@@ -70,6 +70,35 @@ def test_linear_is_the_dequantized_product(
     assert (y.double() - expected).abs().max().item() <= 2 * step * scale
 
 
+@pytest.mark.parametrize("qtype", [None, *TYPES], ids=lambda t: t.label if t else "dense")
+@pytest.mark.parametrize("m", [1, 4, 5, 33])  # blocks: 1-4 widened in registers
+def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
+    """The bf16 library's LM head (`pd_logits`) writes float32: the product of the bf16
+    activations and the weight as kept, summed in float32, not rounded to bf16. (From 5
+    rows, blocks are dequantized to bf16 for the dense loop, as every bf16 linear does.)"""
+    k = cpu_kernels.load(torch.bfloat16)
+    if k is None:
+        pytest.skip(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
+    torch.manual_seed(m)
+    n, kk = 203, 576  # n % 4 != 0: the dense loop's leftover rows
+    w = torch.randn(n, kk) * 0.05
+    if qtype is None:
+        head: Any = torch.nn.Linear(kk, n, bias=False).to(torch.bfloat16)
+        head.weight.data.copy_(w)
+        dense = head.weight.double()
+    else:
+        head = QuantLinear(kk, n, qtype, None)
+        head.qweight = quant.quantize(w, qtype)
+        dense = quant.dequantize(head.qweight, qtype, kk)
+        dense = (dense if m <= 4 else dense.to(torch.bfloat16)).double()
+    x = torch.randn(m, kk).to(torch.bfloat16)
+    y = k.logits(x, head)
+    expected = x.double() @ dense.T
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    scale = expected.abs().amax().item()
+    assert (y.double() - expected).abs().max().item() <= 2**-18 * scale  # float sums only
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.label)
 def test_dequantize_kernel_equals_the_reference(
     k: cpu_kernels.CpuKernels, qtype: QuantType
@@ -85,10 +114,9 @@ def quant_llm(request: pytest.FixtureRequest) -> Any:
     """The default model as its file stores it (Q4_1 layers, Q8_0 embedding and head), on
     one variant's kernels."""
     dtype, isa = VARIANTS[request.param]
-    asked = "auto" if dtype == torch.float32 else "q4_1"  # bf16's auto dequantizes
-    with cpu_level(isa.label):
+    with cpu_level(isa.label):  # quantization "auto": the file's blocks, in either dtype
         llm = LLM("default", dtype=str(dtype).removeprefix("torch."), num_blocks=256,
-                  max_model_len=1024, max_num_batched_tokens=48, quantization=asked)  # fmt: skip
+                  max_model_len=1024, max_num_batched_tokens=48)  # fmt: skip
     assert llm.engine.loaded.model.quantized
     assert isinstance(llm.engine.runner.ops, CpuKernelOps)
     return llm
@@ -136,8 +164,8 @@ def test_quantized_one_call_is_bit_identical_to_per_op(quant_llm: Any) -> None:
 
 
 def test_quantized_default_model_names_paris(quant_llm: Any) -> None:
-    if quant_llm.engine.runner.ops.k.dtype != torch.float32:
-        pytest.skip("bf16: its rounding can flip this near-tied first token (L'Etoile)")
+    """A near tie ("The" 0.08 above "L" in float32): bf16 answers Paris too since its logits
+    are float32; rounded to bf16 they said "L'Étoile" on the blocks."""
     out = quant_llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=12),
@@ -174,7 +202,7 @@ def test_asked_format_converts_the_file(asked: str) -> None:
 def test_auto_without_kernels_dequantizes_and_asking_is_an_error() -> None:
     loaded = load_model(ModelConfig(dtype="float32", kernels="torch", max_model_len=128))
     assert not loaded.model.quantized and loaded.quantization.startswith("none (auto")
-    loaded = load_model(ModelConfig(dtype="bfloat16", max_model_len=128))
+    loaded = load_model(ModelConfig(dtype="bfloat16", kernels="torch", max_model_len=128))
     assert not loaded.model.quantized and loaded.quantization.startswith("none (auto")
     with pytest.raises(ConfigError, match="quantization q8_0 computes on the CPU kernels"):
         load_model(ModelConfig(dtype="float32", kernels="torch", quantization="q8_0"))

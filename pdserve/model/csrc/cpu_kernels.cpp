@@ -82,8 +82,12 @@ inline __m512 exp2_softmax(__m512 x) {
 
 constexpr int kRows = 4;
 
-template <int MT, bool kPrefetch>
-inline void linear_tile(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+// The linears write bf16, or float32 for the logits (`pd_logits`): `put` stores either.
+inline void put(bf16* y, float v) { *y = to_bf16(v); }
+inline void put(float* y, float v) { *y = v; }
+
+template <int MT, bool kPrefetch, typename Y>
+inline void linear_tile(const bf16* x, const bf16* w, const bf16* bias, Y* y, int64_t N,
                         int64_t K, int64_t n0) {
   __m512 acc[MT][kRows];
   for (int m = 0; m < MT; m++)
@@ -103,7 +107,7 @@ inline void linear_tile(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
     for (int r = 0; r < kRows; r++) {
       float s = _mm512_reduce_add_ps(acc[m][r]);
       if (bias) s += to_f32(bias[n0 + r]);
-      y[m * N + n0 + r] = to_bf16(s);
+      put(y + m * N + n0 + r, s);
     }
 }
 
@@ -115,8 +119,8 @@ inline float dot_row(const bf16* x, const bf16* w, int64_t K) {
   return _mm512_reduce_add_ps(acc);
 }
 
-template <int MT>
-inline void linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+template <int MT, typename Y>
+inline void linear_rows(const bf16* x, const bf16* w, const bf16* bias, Y* y, int64_t N,
                         int64_t K, int64_t n0, bool first_tile) {
   if (first_tile)
     linear_tile<MT, true>(x, w, bias, y, N, K, n0);
@@ -126,7 +130,8 @@ inline void linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y,
 
 // Every row of x against the kRows weight rows at wg (rows n0.. of y); `prefetch`: the
 // first tile prefetches the next group's rows.
-inline void linear_group(const bf16* x, const bf16* wg, const bf16* bias, bf16* y, int64_t M,
+template <typename Y>
+inline void linear_group(const bf16* x, const bf16* wg, const bf16* bias, Y* y, int64_t M,
                          int64_t N, int64_t K, int64_t n0, bool prefetch) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
@@ -140,18 +145,33 @@ inline void linear_group(const bf16* x, const bf16* wg, const bf16* bias, bf16* 
 }
 
 // One weight row (row n of y) against every row of x.
-inline void linear_row(const bf16* x, const bf16* wn, const bf16* bias, bf16* y, int64_t M,
+template <typename Y>
+inline void linear_row(const bf16* x, const bf16* wn, const bf16* bias, Y* y, int64_t M,
                        int64_t N, int64_t K, int64_t n) {
   for (int64_t m = 0; m < M; m++) {
     float s = dot_row(x + m * K, wn, K);
     if (bias) s += to_f32(bias[n]);
-    y[m * N + n] = to_bf16(s);
+    put(y + m * N + n, s);
   }
+}
+
+// y = x W^T (+ bias) for dense bf16 weights, any M: kRows weight rows at a time, each
+// streamed once (from memory, prefetched) and used for every row of x.
+template <typename Y>
+void linear_small(const bf16* x, const bf16* w, const bf16* bias, Y* y, int64_t M, int64_t N,
+                  int64_t K) {
+  const int64_t groups = N / kRows;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; g++)
+    linear_group(x, w + g * kRows * K, bias, y, M, N, K, g * kRows, true);
+  for (int64_t n = groups * kRows; n < N; n++)  // rows left over when N % kRows != 0
+    linear_row(x, w + n * K, bias, y, M, N, K, n);
 }
 
 // Weights in a GGUF block format (quant_linear.h's linear): groups of kRows rows dequantized
 // for the dense linear above when x has more rows than the fused loop takes.
-int linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
+template <typename Y>
+int linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, Y* y,
                  int64_t M, int64_t N, int64_t K) {
   return quant::linear<bf16, kRows>(x, w, type, bias, y, M, N, K, [&](const bf16* wg, int64_t n0, int64_t rows) {
     if (rows == kRows)
@@ -167,12 +187,7 @@ extern "C" {
 
 void pd_linear_small(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M,
                      int64_t N, int64_t K) {
-  const int64_t groups = N / kRows;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < groups; g++)
-    linear_group(x, w + g * kRows * K, bias, y, M, N, K, g * kRows, true);
-  for (int64_t n = groups * kRows; n < N; n++)  // rows left over when N % kRows != 0
-    linear_row(x, w + n * K, bias, y, M, N, K, n);
+  linear_small(x, w, bias, y, M, N, K);
 }
 
 // The small-M loop sums each row in one order whatever M is: it is batch-invariant as it
@@ -482,6 +497,20 @@ static void step_linear(const bf16* x, const void* w, const bf16* packed, int64_
 int pd_linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
                     int64_t M, int64_t N, int64_t K) {
   return linear_quant(x, w, type, bias, y, M, N, K);
+}
+
+// The LM head, in float32: x [M, K] times the weight as the model keeps it (dense bf16 when
+// `type` is 0, else a GGUF block format), any M. Logits rounded to bf16 sit 0.06-0.125
+// apart at the default model's magnitudes (8-16), coarser than the gap between the first
+// two candidates of many greedy choices: the rounding, not the model, would pick. Returns
+// -1 for a format without a kernel.
+int pd_logits(const bf16* x, const void* w, int64_t type, const bf16* bias, float* y, int64_t M,
+              int64_t N, int64_t K) {
+  if (type == 0) {
+    linear_small(x, static_cast<const bf16*>(w), bias, y, M, N, K);
+    return 0;
+  }
+  return linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
 }
 
 int pd_dequantize(const uint8_t* w, int64_t type, bf16* out, int64_t N, int64_t K) {

@@ -183,8 +183,8 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
 // y[m, n] for MT (<= 4) rows of x (floats) and every weight row n: one weight row at a
 // time, in storage order (one sequential stream a thread); each block is widened once and
 // used for every row of x, with kVecs independent FMA chains a row.
-template <typename T, int64_t kType, int MT>
-void fused_rows(const float* x, const uint8_t* w, const T* bias, T* y, int64_t N, int64_t K) {
+template <typename T, int64_t kType, int MT, typename Y>
+void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N, int64_t K) {
   constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_0 ? 18 : 20;
   const int64_t nb = K / kBlock;
 #pragma omp parallel for schedule(static)
@@ -202,7 +202,7 @@ void fused_rows(const float* x, const uint8_t* w, const T* bias, T* y, int64_t N
     }
     for (int m = 0; m < MT; m++) {
       for (int i = 1; i < kVecs; i++) acc[m][0] = vadd(acc[m][0], acc[m][i]);
-      Elem<T>::store(y + m * N + n, vsum(acc[m][0]) + (bias ? Elem<T>::load(bias + n) : 0.0f));
+      Elem<Y>::store(y + m * N + n, vsum(acc[m][0]) + (bias ? Elem<T>::load(bias + n) : 0.0f));
     }
   }
 }
@@ -210,9 +210,9 @@ void fused_rows(const float* x, const uint8_t* w, const T* bias, T* y, int64_t N
 constexpr int64_t kFusedMaxM = 4;
 
 // y[M, N] = x[M, K] W^T (+ bias), M <= kFusedMaxM, W in format `type` (block_bytes(type)
-// != 0), K % 32 == 0.
-template <typename T>
-void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, T* y, int64_t M,
+// != 0), K % 32 == 0. y in T, or float (the bf16 library's logits).
+template <typename T, typename Y>
+void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
                   int64_t N, int64_t K) {
   const float* xf;
   static thread_local std::vector<float> x_float;  // the calling thread's
@@ -278,8 +278,8 @@ void linear_dequantized(const uint8_t* w, int64_t type, int64_t N, int64_t K, Gr
 // Up to kFusedMaxM rows of x widen each block in registers; more rows dequantize groups of
 // R weight rows and hand them to `dense_group(group, n0, rows)`, the calling library's
 // dense linear on those rows.
-template <typename T, int R, typename DenseGroup>
-int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, T* y, int64_t M,
+template <typename T, int R, typename Y, typename DenseGroup>
+int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
            int64_t N, int64_t K, DenseGroup dense_group) {
   if (!block_bytes(type)) return -1;
   if (M <= kFusedMaxM)
