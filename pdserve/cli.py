@@ -69,8 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=ModelConfig.quantization,
         choices=QUANTIZATIONS,
-        help="auto: in float32 on the CPU kernels, keep a GGUF file's Q8_0/Q4_0/Q4_1 weights "
-        "in their blocks; none: dequantize at load; q8_0/q4_0/q4_1: every linear in that format",
+        help="auto: on the CPU kernels, keep a GGUF file's weights in their blocks (Q4_0, "
+        "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); none: dequantize at load; q8_0/q4_0/q4_1: "
+        "every linear in that format",
     )
     g.add_argument(
         "--batch-invariant",

@@ -51,13 +51,14 @@ class ModelConfig:
     `torch`: always plain PyTorch ops; `triton`: decode attention through the Triton
     paged kernel (CUDA; opt-in until measured on a GPU)."""
     quantization: str = "auto"
-    """How the weights are kept in memory. `auto`: in float32 on the CPU kernels, a GGUF
-    file's Q8_0/Q4_0/Q4_1 tensors stay in their blocks (the kernels compute from them:
-    the same products as the dequantized weights', 2.5-3.5x faster at batch 1); anything
-    else, and every weight in bf16, is dequantized to `dtype` at load; `none`: dequantize
-    everything; `q8_0`/`q4_0`/`q4_1`: every linear in that format (quantized at load where
-    the checkpoint has another) and the embedding table (the LM head when tied) in Q8_0,
-    as llama.cpp keeps it; needs the CPU kernels."""
+    """How the weights are kept in memory. `auto`: on the CPU kernels (float32 or bf16), a
+    GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors stay in their blocks (the
+    kernels compute from them: memory follows the file, 2.5x faster at batch 1 than dense
+    bf16 on the default model); a fused q/k/v whose parts differ in format is kept in Q8_0;
+    anything else is dequantized to `dtype` at load; `none`: dequantize everything;
+    `q8_0`/`q4_0`/`q4_1`: every linear in that format (quantized at load where the
+    checkpoint has another) and the embedding table (the LM head when tied) in Q8_0, as
+    llama.cpp keeps it; needs the CPU kernels."""
     batch_invariant: bool = False
     """Compute every sequence's numbers the same way whatever else is in its step: each
     linear takes one kernel for every row count (AMX tiles where the CPU has them, else

@@ -312,22 +312,22 @@ class CpuKernels:
             raise ValueError(f"no kernel for {layer.qtype.label} weights")
         return y
 
-    def logits(self, x: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, head: nn.Linear | QuantLinear) -> torch.Tensor:
         """bf16 library: x [M, K] times the LM head's weight (dense bf16, or blocks) ->
         float32 [M, N], any M (`pd_logits`). A dense K the kernel does not take: the
         linear's bf16 output, widened."""
         m, k = x.shape
         if isinstance(head, QuantLinear):
-            weight, qtype, bias = head.qweight, int(head.qtype), head.bias
+            weight, qtype = head.qweight, int(head.qtype)
         elif k % self.k_multiple == 0:
-            weight, qtype, bias = head.weight, 0, head.bias
+            weight, qtype = head.weight, 0
         else:
-            return torch.nn.functional.linear(x, head.weight, head.bias).float()
+            return nn.functional.linear(x, head.weight, head.bias).float()
         y = torch.empty((m, weight.shape[0]), dtype=torch.float32)
         x = x.contiguous()
-        args = (weight.data_ptr(), qtype, _ptr(bias), y.data_ptr(), m, weight.shape[0], k)
+        args = (weight.data_ptr(), qtype, _ptr(head.bias), y.data_ptr(), m, weight.shape[0], k)
         if self._lib.pd_logits(x.data_ptr(), *args) != 0:
-            raise ValueError(f"no kernel for {head.qtype.label} weights")
+            raise ValueError(f"no kernel for weights of type {qtype}")
         return y
 
     def dequantize(self, data: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:

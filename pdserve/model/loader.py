@@ -212,14 +212,16 @@ def plan_quantization(
         plan = {m: QuantType.parse(asked) for m in linears} | {m: QuantType.Q8_0 for m in tables}
     elif tensor_types is not None:
         for module in linears + tables:
-            types = {tensor_types.get(name) for name in source_names(module)}
-            kind = types.pop() if len(types) == 1 else None
-            if kind is not None and kind in QuantType.__members__:
-                plan[module] = QuantType[kind]
+            types = {tensor_types.get(name, "") for name in source_names(module)}
+            if not types <= set(QuantType.__members__):
+                continue  # a part in floats, or in a format without kernels: dense
+            # Parts in different formats (Q4_K_M files keep some layers' v_proj in Q6_K
+            # beside Q4_K q/k) share one module in Q8_0, finer than any of them.
+            plan[module] = QuantType[types.pop()] if len(types) == 1 else QuantType.Q8_0
     if arch.tie_word_embeddings and "embed_tokens" in plan:
         plan["lm_head"] = plan["embed_tokens"]
     if not plan:
-        return {}, "none (auto: the checkpoint has no Q8_0/Q4_0/Q4_1 tensors)"
+        return {}, "none (auto: the checkpoint has no tensors in a format with kernels)"
     counts: dict[str, int] = {}
     for qtype in plan.values():
         counts[qtype.label] = counts.get(qtype.label, 0) + 1

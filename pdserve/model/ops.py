@@ -57,7 +57,7 @@ class TorchOps:
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
-    def logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head: nn.Linear) -> torch.Tensor:
         """The LM head's output; here in the model's dtype (the sampler widens it)."""
         return self.linear(h, head)
 
@@ -237,7 +237,7 @@ class CpuKernelOps(TorchOps):
             return self.k.linear_amx(x, _amx_weight(self.k, layer), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head: nn.Linear) -> torch.Tensor:
         """bf16: float32 logits from the bf16 activations and the weight as kept
         (`pd_logits`), so greedy picks and logprobs are not decided by rounding the logits
         to bf16. float32: the linear."""

@@ -1,13 +1,15 @@
-"""Weights kept in GGUF's block formats (Q8_0, Q4_0, Q4_1): the formats, a PyTorch
-reference for them, and the modules that hold them.
+"""Weights kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants
+Q4_K, Q5_K, Q6_K): the formats, a PyTorch reference for them, and the modules that hold
+them.
 
 A decode step on a CPU is bound by reading the weights. Dequantized to float32, the default
 model's Q4_1 file becomes 538 MB a step; kept as it is, 96 MB (4.5-8.5 bits a weight). The
 kernels in `csrc/quant_linear.h` compute straight from the blocks; this module is what the
 loader and the tests use around them:
 - `QuantType` and the block layouts, as ggml defines them;
-- `quantize` / `dequantize` in PyTorch (ggml's reference rounding), for loading a dense
-  checkpoint into a format, converting between formats, and testing the kernels;
+- `dequantize` in PyTorch for every format, `quantize` (ggml's reference rounding) for the
+  32-weight ones: for loading a dense checkpoint into a format, converting between formats,
+  and testing the kernels (a K-quant file is read as it is; nothing here writes one);
 - `QuantLinear` and `QuantEmbedding`, the model's linears and embedding table on blocks.
 
 Which layers are kept quantized, and in which format, is the loader's `--quantization`
@@ -25,7 +27,12 @@ from torch import nn
 from pdserve.errors import ModelLoadError
 
 BLOCK = 32
-"""Weights per block, for every format here."""
+"""Weights per block of the 32-weight formats, and per step of the kernels (a K-quant's
+sub-block): a model's inner sizes must be multiples of it."""
+SUPER_BLOCK = 256
+"""Weights per K-quant super-block."""
+
+_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
 
 
 class QuantType(enum.IntEnum):
@@ -33,7 +40,12 @@ class QuantType(enum.IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
 
     @property
     def label(self) -> str:
@@ -41,10 +53,18 @@ class QuantType(enum.IntEnum):
 
     @property
     def block_bytes(self) -> int:
-        return {QuantType.Q8_0: 34, QuantType.Q4_0: 18, QuantType.Q4_1: 20}[self]
+        return _BLOCK_BYTES[self]
+
+    @property
+    def block_weights(self) -> int:
+        return SUPER_BLOCK if self.is_k_quant else BLOCK
+
+    @property
+    def is_k_quant(self) -> bool:
+        return self >= QuantType.Q4_K
 
     def row_bytes(self, k: int) -> int:
-        return k // BLOCK * self.block_bytes
+        return k // self.block_weights * self.block_bytes
 
     @classmethod
     def parse(cls, name: str) -> QuantType:
@@ -67,22 +87,76 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(data: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
-    """uint8 [N, row_bytes] -> float32 [N, k]; the reference for the kernels' dequantize."""
+    """uint8 [N, row_bytes] -> float32 [N, k]; the reference for the kernels' dequantize
+    (the same float32 operations, so the same values)."""
     n = data.shape[0]
-    blocks = data.reshape(n, k // BLOCK, qtype.block_bytes)
+    blocks = data.reshape(n, k // qtype.block_weights, qtype.block_bytes)
+    if qtype.is_k_quant:
+        return _dequantize_k(blocks, qtype).reshape(n, k)
     d = _f16(blocks[..., 0:2]).unsqueeze(-1)
     if qtype == QuantType.Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (d * q).reshape(n, k)
-    qs = blocks[..., 4:] if qtype == QuantType.Q4_1 else blocks[..., 2:]
-    nibbles = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-    m = _f16(blocks[..., 2:4]).unsqueeze(-1) if qtype == QuantType.Q4_1 else -8.0 * d
-    return (d * nibbles + m).reshape(n, k)
+    with_min = qtype in (QuantType.Q4_1, QuantType.Q5_1)
+    at = 4 if with_min else 2
+    if qtype in (QuantType.Q5_0, QuantType.Q5_1):  # a fifth bit per weight in qh[4]
+        qh = blocks[..., at : at + 4].contiguous().view(torch.int32)
+        fifth = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+        at += 4
+    qs = blocks[..., at:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)
+    if qtype in (QuantType.Q5_0, QuantType.Q5_1):
+        q = q | fifth
+    if with_min:
+        m = _f16(blocks[..., 2:4]).unsqueeze(-1)
+    else:
+        m = (-16.0 if qtype == QuantType.Q5_0 else -8.0) * d
+    return (d * q.float() + m).reshape(n, k)
+
+
+def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes [..., 12]
+    -> two [..., 8] int tensors (ggml's get_scale_min_k4)."""
+    q = packed.to(torch.int32)
+    sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], dim=-1)
+    m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], dim=-1)
+    return sc, m
+
+
+def _dequantize_k(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """[..., super-blocks, bytes] of Q4_K/Q5_K/Q6_K -> float32 [..., super-blocks, 256]."""
+    lead = blocks.shape[:-1]
+    if qtype == QuantType.Q6_K:  # {ql[128]; qh[64]; int8 scales[16]; d}
+        ql = blocks[..., 0:128].reshape(*lead, 2, 2, 32)  # [half n][r % 2][l]
+        qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+        low = torch.stack([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4,
+                           ql[..., 1, :] >> 4], dim=-2)  # [n][r][l]  # fmt: skip
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+        q = (low | (high << 4)).float()
+        scales = (
+            blocks[..., 192:208].contiguous().view(torch.int8).float().reshape(*lead, 2, 4, 2, 1)
+        )
+        d = _f16(blocks[..., 208:210]).reshape(*lead, 1, 1, 1, 1)
+        a = (d * scales).expand(*lead, 2, 4, 2, 16).reshape(*lead, 2, 4, 32)
+        return (a * q + -32.0 * a).reshape(*lead, 256)
+    d = _f16(blocks[..., 0:2]).unsqueeze(-1)
+    dmin = _f16(blocks[..., 2:4]).unsqueeze(-1)
+    sc, m = _scale_min_k4(blocks[..., 4:16])
+    a = (d * sc.float()).unsqueeze(-1)  # [..., 8, 1]
+    c = -(dmin * m.float()).unsqueeze(-1)
+    qs = blocks[..., (48 if qtype == QuantType.Q5_K else 16) :].reshape(*lead, 4, 32)
+    q = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(*lead, 8, 32)  # sub-block 2p, 2p+1
+    if qtype == QuantType.Q5_K:  # bit j of qh[l]: weight l of sub-block j
+        qh = blocks[..., 16:48].unsqueeze(-2)
+        q = q | (((qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
+    return (a * q.float() + c).reshape(*lead, 256)
 
 
 def quantize(w: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     """float [N, K] (K % 32 == 0) -> uint8 [N, row_bytes], rounded as ggml's reference
     quantizers (quantize_row_*_ref) round."""
+    if qtype not in (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1):
+        raise ValueError(f"pdserve does not quantize to {qtype.label} (it reads such files)")
     n, k = w.shape
     x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
     if qtype == QuantType.Q8_0:
@@ -123,13 +197,18 @@ def convert(weight: torch.Tensor | QuantizedTensor, qtype: QuantType) -> torch.T
     return quantize(weight, qtype)
 
 
+def scale_offsets(qtype: QuantType) -> tuple[int, ...]:
+    """Byte offsets of a block's fp16 fields: its scale, and its offset (Q4_1, Q5_1) or
+    min scale (Q4_K, Q5_K)."""
+    single = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q5_0)
+    return (208,) if qtype == QuantType.Q6_K else (0,) if qtype in single else (0, 2)
+
+
 def check_scales(data: torch.Tensor, qtype: QuantType, name: str) -> None:
-    """Refuse blocks whose scale (or Q4_1 offset) is not a finite number: a corrupt file
-    would otherwise load and answer with NaNs."""
+    """Refuse blocks whose fp16 scales (and offsets, mins) are not finite numbers: a
+    corrupt file would otherwise load and answer with NaNs."""
     blocks = data.reshape(-1, qtype.block_bytes)
-    scales = [_f16(blocks[:, 0:2])]
-    if qtype == QuantType.Q4_1:
-        scales.append(_f16(blocks[:, 2:4]))
+    scales = [_f16(blocks[:, i : i + 2]) for i in scale_offsets(qtype)]
     bad = sum(int((~torch.isfinite(s)).sum()) for s in scales)
     if bad:
         raise ModelLoadError(

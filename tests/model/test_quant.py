@@ -1,6 +1,7 @@
-"""Weights kept in GGUF blocks (Q8_0, Q4_0, Q4_1): the formats against the gguf library,
-the kernels against a PyTorch reference of the same integer arithmetic on every kernel
-variant this CPU runs, and the default model loaded quantized against it dequantized."""
+"""Weights kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the
+formats against the gguf library, the kernels against a PyTorch reference of the same
+arithmetic on every kernel variant this CPU runs, and models loaded on their blocks (the
+default model, a Q4_K_M file) against them dequantized."""
 
 from __future__ import annotations
 
@@ -22,9 +23,38 @@ from tests.conftest import assert_matches_hf, cpu_level
 from tests.model.test_cpu_kernels import VARIANTS, variant_params
 
 TYPES = list(QuantType)
+QUANTIZABLE = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1]
+"""The formats pdserve quantizes to; it reads the others from files."""
+
+
+def random_blocks(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, row bytes] of random quants, every fp16 scale field a random small
+    number (what a file of any format holds, without a quantizer for it)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(
+        0, 256, size=(n, k // qtype.block_weights, qtype.block_bytes), dtype=np.uint8
+    )
+    for at in quant.scale_offsets(qtype):
+        scales = (rng.random(data.shape[:2]) * 0.01 + 1e-3).astype(np.float16)
+        data[..., at : at + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    return torch.from_numpy(data.reshape(n, -1))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.label)
+def test_every_format_reads_as_the_gguf_library_reads_it(qtype: QuantType) -> None:
+    import gguf
+
+    blocks = random_blocks(qtype, 9, 768)
+    theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype.name])
+    assert torch.equal(quant.dequantize(blocks, qtype, 768), torch.from_numpy(theirs))
+
+
+def test_formats_without_a_quantizer_are_refused() -> None:
+    with pytest.raises(ValueError, match="does not quantize to q4_k"):
+        quant.quantize(torch.zeros(2, 256), QuantType.Q4_K)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.label)
 def test_formats_match_the_gguf_library(qtype: QuantType) -> None:
     """Our quantizer writes ggml's bytes and our dequantizer reads them back as gguf does."""
     import gguf
@@ -55,8 +85,8 @@ def test_linear_is_the_dequantized_product(
     k: cpu_kernels.CpuKernels, qtype: QuantType, m: int
 ) -> None:
     torch.manual_seed(m)
-    n, kk = 67, 576  # odd n: a last weight-row pair of one
-    blocks = quant.quantize(torch.randn(n, kk) * 0.05, qtype)
+    n, kk = 67, 768  # odd n: a last weight-row pair of one; 768: three K-quant super-blocks
+    blocks = random_blocks(qtype, n, kk, seed=m)
     bias = torch.randn(n).to(k.dtype)
     layer = QuantLinear(kk, n, qtype, torch.nn.Parameter(bias, requires_grad=False))
     layer.qweight = blocks
@@ -80,7 +110,7 @@ def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
     if k is None:
         pytest.skip(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
     torch.manual_seed(m)
-    n, kk = 203, 576  # n % 4 != 0: the dense loop's leftover rows
+    n, kk = 203, 768  # n % 4 != 0: the dense loop's leftover rows
     w = torch.randn(n, kk) * 0.05
     if qtype is None:
         head: Any = torch.nn.Linear(kk, n, bias=False).to(torch.bfloat16)
@@ -88,7 +118,7 @@ def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
         dense = head.weight.double()
     else:
         head = QuantLinear(kk, n, qtype, None)
-        head.qweight = quant.quantize(w, qtype)
+        head.qweight = random_blocks(qtype, n, kk, seed=m)
         dense = quant.dequantize(head.qweight, qtype, kk)
         dense = (dense if m <= 4 else dense.to(torch.bfloat16)).double()
     x = torch.randn(m, kk).to(torch.bfloat16)
@@ -103,9 +133,9 @@ def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
 def test_dequantize_kernel_equals_the_reference(
     k: cpu_kernels.CpuKernels, qtype: QuantType
 ) -> None:
-    blocks = quant.quantize(torch.randn(300, 128), qtype)  # 300 rows: the parallel split
+    blocks = random_blocks(qtype, 300, 256)  # 300 rows: the parallel split
     assert torch.equal(
-        k.dequantize(blocks, qtype, 128), quant.dequantize(blocks, qtype, 128).to(k.dtype)
+        k.dequantize(blocks, qtype, 256), quant.dequantize(blocks, qtype, 256).to(k.dtype)
     )
 
 
@@ -250,3 +280,39 @@ def test_hf_checkpoint_quantized_at_load(arch: str, tmp_path: Any) -> None:
         first_a, first_b = dict(a.logprobs[0].top), dict(b.logprobs[0].top)
         assert a.token_ids[0] == b.token_ids[0]
         assert all(abs(v - first_b[t]) < 0.05 for t, v in first_a.items() if t in first_b)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A small Llama in llama.cpp's Q4_K_M mix (random weights): Q4_K, Q6_K for layer 1's
+    attn_v and ffn_down and for the output, as the quantizer picks them."""
+    from pdserve_bench.synthetic_gguf import SHAPES, write
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.q4_k_m.gguf"
+    write(path, SHAPES["tiny"], "q4_k_m")
+    return path
+
+
+@pytest.mark.parametrize("variant", variant_params(["fp32-avx512", "fp32-avx2", "bf16"]))
+def test_q4_k_m_file_computes_its_dequantized_model(q4_k_m_file: Any, variant: str) -> None:
+    """Loaded by default, a Q4_K_M file stays in its blocks (a fused q/k/v of two formats
+    in Q8_0) and computes what the same file dequantized at load computes."""
+    dtype, isa = VARIANTS[variant]
+    options = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 128, "num_blocks": 16}
+    with cpu_level(isa.label):
+        blocks = LLM(str(q4_k_m_file), **options)
+        dense = LLM(str(q4_k_m_file), quantization="none", **options)
+    model = blocks.engine.loaded.model
+    assert model.layers[0].mlp.down_proj.qtype == QuantType.Q4_K
+    assert model.layers[1].mlp.down_proj.qtype == QuantType.Q6_K
+    assert model.layers[1].self_attn.qkv_proj.qtype == QuantType.Q8_0  # v Q6_K, q/k Q4_K
+    assert model.lm_head.qtype == QuantType.Q6_K
+    assert sum(m.qweight.nbytes for m in quant.quant_modules(model)) < q4_k_m_file.stat().st_size
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    tolerance = 2e-3 if dtype == torch.float32 else 0.05  # bf16: dense weights rounded
+    for prompt in ([5, 6, 7, 8], [100] * 20, list(range(300, 340))):
+        ours = dict(blocks.generate([prompt], params)[0].outputs[0].logprobs[0].top)
+        theirs = dict(dense.generate([prompt], params)[0].outputs[0].logprobs[0].top)
+        shared = ours.keys() & theirs.keys()
+        assert len(shared) >= 3
+        assert max(abs(ours[t] - theirs[t]) for t in shared) < tolerance

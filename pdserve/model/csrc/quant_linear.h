@@ -3,11 +3,17 @@
 // type). Weights stay as the file stores them, so a decode step reads 4.5-8.5 bits a
 // weight instead of 16 or 32.
 //
-// Formats (ggml's, 32 weights a block, scales in fp16), weight i of a block:
+// Formats (ggml's, scales in fp16), weight i of a block of 32:
 //   Q8_0  {d; int8 q[32]}          w = d q[i]                          34 bytes
 //   Q4_0  {d; uint8 qs[16]}        w = d (nibble(i) - 8)               18 bytes
 //   Q4_1  {d; m; uint8 qs[16]}     w = d nibble(i) + m                 20 bytes
-// where nibble(i) = qs[i] & 15 for i < 16 and qs[i - 16] >> 4 above.
+//   Q5_0  {d; qh[4]; qs[16]}       w = d (nibble(i) + 16 bit(i) - 16)  22 bytes
+//   Q5_1  {d; m; qh[4]; qs[16]}    w = d (nibble(i) + 16 bit(i)) + m   24 bytes
+// where nibble(i) = qs[i] & 15 for i < 16 and qs[i - 16] >> 4 above, bit(i) = bit i of qh.
+// K-quants: super-blocks of 256 weights, 8 sub-blocks of 32 with 6-bit scales (Q4_K, Q5_K:
+// w = d sc_j q - dmin m_j) or 16 of 16 with int8 scales (Q6_K: w = d sc (q - 32)); the
+// layouts are in `subblock` below. Every kernel walks a row 32 weights at a time, so a
+// K-quant is 8 of its steps, each with its sub-block's scales.
 //
 // Every product is the dequantized weights' product: the blocks are widened to float in
 // registers and multiplied by x as it is (float, or bf16 widened), so a model on its
@@ -42,18 +48,28 @@
 
 namespace quant {
 
-enum Type : int64_t { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3 };  // ggml's type numbers
+// ggml's type numbers
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-constexpr int kBlock = 32;
+constexpr int kBlock = 32;  // weights a kernel step takes (a K-quant's sub-block)
 
-inline int64_t block_bytes(int64_t type) {
+constexpr int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ8_0: return 34;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
     default: return 0;
   }
 }
+
+constexpr int64_t block_weights(int64_t type) { return type >= kQ4_K ? 256 : kBlock; }
+
+constexpr int64_t row_bytes(int64_t type, int64_t K) { return K / block_weights(type) * block_bytes(type); }
 
 // The element types the libraries compute in: float, and bf16 carried as uint16_t.
 template <typename T>
@@ -132,10 +148,106 @@ inline float vsum(V v) {
 #endif
 constexpr int kLanes = kBlock / kVecs;
 
-// One block's 32 weights as floats, in kVecs registers: 16 at a time with AVX-512 (a third
-// of AVX2's instructions), else 8.
+// 32 weights a * q + c as floats in kVecs registers, from two 16-byte halves of unsigned
+// q with a scale and offset each: the formats after the first three.
+inline void widen(const __m128i q[2], const float a[2], const float c[2], V out[kVecs]) {
+#if defined(__AVX512F__)
+  for (int h = 0; h < 2; h++)
+    out[h] = _mm512_fmadd_ps(_mm512_set1_ps(a[h]), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h])),
+                             _mm512_set1_ps(c[h]));
+#else
+  for (int h = 0; h < 2; h++)
+    for (int i = 0; i < 2; i++)
+      out[2 * h + i] = _mm256_fmadd_ps(
+          _mm256_set1_ps(a[h]),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i ? _mm_srli_si128(q[h], 8) : q[h])),
+          _mm256_set1_ps(c[h]));
+#endif
+}
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// (v >> shift) & mask in every byte (shift < 8: bits a 16-bit shift brings in from the
+// next byte are above the mask).
+inline __m128i bits(__m128i v, int shift, int mask) {
+  return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(static_cast<char>(mask)));
+}
+
+// 16 bits -> 16 bytes of 16 (bit set) or 0: Q5_0/Q5_1's fifth bits.
+inline __m128i fifth_bits(uint16_t b) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<short>(b)),
+                                          _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m128i select = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
+}
+
+// Q4_K/Q5_K: sub-block j's 6-bit scale and min, as ggml packs them in 12 bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j (32 weights) of a K-quant super-block, or a whole Q5_0/Q5_1 block (j = 0):
+// its q as two 16-byte halves, with a scale a and offset c for each (w = a q + c).
 template <int64_t kType>
-inline void block_values(const uint8_t* blk, V out[kVecs]) {
+inline void subblock(const uint8_t* blk, int j, __m128i q[2], float a[2], float c[2]) {
+  if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // {d; [m;] qh[4]; qs[16]}
+    const int at = kType == kQ5_1 ? 4 : 2;
+    uint32_t qh;
+    memcpy(&qh, blk + at, 4);
+    const __m128i qs = load16(blk + at + 4);
+    q[0] = _mm_or_si128(bits(qs, 0, 15), fifth_bits(qh & 0xFFFF));
+    q[1] = _mm_or_si128(bits(qs, 4, 15), fifth_bits(qh >> 16));
+    a[0] = a[1] = half(blk);
+    c[0] = c[1] = kType == kQ5_1 ? half(blk + 2) : -16.0f * a[0];
+  } else if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    // {d; dmin; scales[12]; [qh[32];] qs[128]}: sub-blocks 2p and 2p+1 are the low and
+    // high nibbles of qs[32p..32p+31]; Q5_K's fifth bit of weight l of sub-block j is bit
+    // j of qh[l].
+    int sc, m;
+    scale_min_k4(j, blk + 4, &sc, &m);
+    a[0] = a[1] = half(blk) * static_cast<float>(sc);
+    c[0] = c[1] = -(half(blk + 2) * static_cast<float>(m));
+    const uint8_t* qs = blk + (kType == kQ5_K ? 48 : 16) + 32 * (j / 2);
+    for (int h = 0; h < 2; h++) {
+      q[h] = bits(load16(qs + 16 * h), 4 * (j % 2), 15);
+      if constexpr (kType == kQ5_K)
+        q[h] = _mm_or_si128(q[h], _mm_slli_epi16(bits(load16(blk + 16 + 16 * h), j, 1), 4));
+    }
+  } else {  // kQ6_K {ql[128]; qh[64]; int8 scales[16]; d}: two halves of 128 weights;
+    // in half n, group r (32 weights) takes nibble r / 2 of ql[64n + 32(r % 2) + l] and
+    // bits 2r, 2r+1 of qh[32n + l], with scales[8n + 2r + l / 16].
+    const int n = j / 4, r = j % 4;
+    const float d = half(blk + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192) + 8 * n + 2 * r;
+    for (int h = 0; h < 2; h++) {
+      const __m128i low = bits(load16(blk + 64 * n + 32 * (r % 2) + 16 * h), 4 * (r / 2), 15);
+      const __m128i high = bits(load16(blk + 128 + 32 * n + 16 * h), 2 * r, 3);
+      q[h] = _mm_or_si128(low, _mm_slli_epi16(high, 4));
+      a[h] = d * static_cast<float>(scales[h]);
+      c[h] = -32.0f * a[h];
+    }
+  }
+}
+
+// Weights 32b..32b+31 of a row in format kType as floats, in kVecs registers: 16 at a time
+// with AVX-512 (a third of AVX2's instructions), else 8.
+template <int64_t kType>
+inline void block_values(const uint8_t* row, int64_t b, V out[kVecs]) {
+  constexpr int64_t kSub = block_weights(kType) / kBlock;  // steps a block takes
+  const uint8_t* blk = row + (b / kSub) * block_bytes(kType);
+  if constexpr (kType != kQ8_0 && kType != kQ4_0 && kType != kQ4_1) {
+    __m128i q[2];
+    float a[2], c[2];
+    subblock<kType>(blk, static_cast<int>(b % kSub), q, a, c);
+    widen(q, a, c, out);
+    return;
+  }
 #if defined(__AVX512F__)
   const __m512 d = _mm512_set1_ps(half(blk));
   __m512i q[2];
@@ -174,10 +286,25 @@ inline void block_values(const uint8_t* blk, V out[kVecs]) {
 }
 
 template <int64_t kType, typename T>
-inline void dequantize_block(const uint8_t* blk, T* out) {
+inline void dequantize_block(const uint8_t* row, int64_t b, T* out) {
   V v[kVecs];
-  block_values<kType>(blk, v);
+  block_values<kType>(row, b, v);
   for (int i = 0; i < kVecs; i++) Elem<T>::storev(out + kLanes * i, v[i]);
+}
+
+// f(std::integral_constant<int64_t, type>{}) for a format with kernels (block_bytes != 0).
+template <typename F>
+inline void with_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+  }
 }
 
 // y[m, n] for MT (<= 4) rows of x (floats) and every weight row n: one weight row at a
@@ -185,17 +312,16 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
 // used for every row of x, with kVecs independent FMA chains a row.
 template <typename T, int64_t kType, int MT, typename Y>
 void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N, int64_t K) {
-  constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_0 ? 18 : 20;
   const int64_t nb = K / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const uint8_t* row = w + n * nb * kBytes;
+    const uint8_t* row = w + n * row_bytes(kType, K);
     V acc[MT][kVecs];
     for (int m = 0; m < MT; m++)
       for (int i = 0; i < kVecs; i++) acc[m][i] = vzero();
     for (int64_t b = 0; b < nb; b++) {
       V wv[kVecs];
-      block_values<kType>(row + b * kBytes, wv);
+      block_values<kType>(row, b, wv);
       for (int m = 0; m < MT; m++)
         for (int i = 0; i < kVecs; i++)
           acc[m][i] = vfmadd(wv[i], vload(x + m * K + b * kBlock + kLanes * i), acc[m][i]);
@@ -232,23 +358,15 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
       case 4: fused_rows<T, kType, 4>(xf, w, bias, y, N, K); break;
     }
   };
-  switch (type) {
-    case kQ8_0: run(std::integral_constant<int64_t, kQ8_0>{}); break;
-    case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
-    case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
-  }
+  with_type(type, run);
 }
 
 template <typename T>
 inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out) {
-  const int64_t bytes = block_bytes(type);
-  for (int64_t b = 0; b < K / kBlock; b++) {
-    switch (type) {
-      case kQ8_0: dequantize_block<kQ8_0>(row + b * bytes, out + b * kBlock); break;
-      case kQ4_0: dequantize_block<kQ4_0>(row + b * bytes, out + b * kBlock); break;
-      case kQ4_1: dequantize_block<kQ4_1>(row + b * bytes, out + b * kBlock); break;
-    }
-  }
+  with_type(type, [&](auto type_tag) {
+    constexpr int64_t kType = decltype(type_tag)::value;
+    for (int64_t b = 0; b < K / kBlock; b++) dequantize_block<kType>(row, b, out + b * kBlock);
+  });
 }
 
 // More rows: widening each block for every row of x adds up. Instead each thread dequantizes a group of R weight rows into an L1-resident
@@ -257,7 +375,7 @@ inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out) 
 // model's). The weights are still read from memory at 4.5-8.5 bits a weight.
 template <typename T, int R, typename Group>
 void linear_dequantized(const uint8_t* w, int64_t type, int64_t N, int64_t K, Group group) {
-  const int64_t row_bytes = K / kBlock * block_bytes(type);
+  const int64_t stride = row_bytes(type, K);
 #pragma omp parallel
   {
     // 64-byte aligned: 64-byte loads from a malloc'd (16-aligned) buffer split across
@@ -268,7 +386,7 @@ void linear_dequantized(const uint8_t* w, int64_t type, int64_t N, int64_t K, Gr
     for (int64_t n0 = 0; n0 < N; n0 += R) {
       const int64_t rows = std::min<int64_t>(R, N - n0);
       for (int64_t r = 0; r < rows; r++)
-        dequantize_row(w + (n0 + r) * row_bytes, type, K, buffer.get() + r * K);
+        dequantize_row(w + (n0 + r) * stride, type, K, buffer.get() + r * K);
       group(buffer.get(), n0, rows);
     }
   }
@@ -292,10 +410,10 @@ int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int6
 // out[N, K] = W dequantized (rows of a table: prefill-sized linears, embedding lookups).
 template <typename T>
 int dequantize(const uint8_t* w, int64_t type, T* out, int64_t N, int64_t K) {
-  const int64_t row_bytes = K / kBlock * block_bytes(type);
-  if (!row_bytes) return -1;
+  const int64_t bytes = row_bytes(type, K);
+  if (!bytes) return -1;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
-  for (int64_t n = 0; n < N; n++) dequantize_row(w + n * row_bytes, type, K, out + n * K);
+  for (int64_t n = 0; n < N; n++) dequantize_row(w + n * bytes, type, K, out + n * K);
   return 0;
 }
 
