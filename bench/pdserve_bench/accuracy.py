@@ -65,6 +65,7 @@ FORMATS = (
     WeightFormat("f32-q8_0", "float32", "q8_0"),
     WeightFormat("f32-q4_0", "float32", "q4_0"),
     WeightFormat("bf16-dense", "bfloat16", "none"),
+    WeightFormat("bf16-gguf", "bfloat16", "auto"),
 )
 
 
