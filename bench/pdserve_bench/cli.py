@@ -20,7 +20,7 @@ def add_parsers(bench_sub: Any) -> None:
         "--quantization",
         default="auto",
         choices=QUANTIZATIONS,
-        help="how pdserve keeps the weights (auto: a GGUF's blocks in float32 on the kernels)",
+        help="how pdserve keeps the weights (auto: a GGUF's blocks, on the kernels)",
     )
     off.add_argument(
         "--kv-cache-dtype",

@@ -80,14 +80,25 @@ def tensor_type(name: str, layer: int, shape: Shape, mix: str) -> str:
     return "Q4_K"
 
 
-def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, row bytes]: random quants with the format's scales set (`_SCALES`)."""
+def random_blocks(
+    qtype: str, rows: int, cols: int, rng: np.random.Generator, random_scales: bool = False
+) -> np.ndarray:
+    """uint8 [rows, row bytes] of random quants. The fp16 scale fields: `_SCALES`' values
+    (weights of ~0.02 deviation), or with `random_scales` (tests, kernel timings; any format
+    with kernels) random numbers in [1e-3, 1.1e-2)."""
     import gguf
+
+    from pdserve.model.quant import QuantType, scale_offsets
 
     weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     blocks = rng.integers(0, 256, size=(rows, cols // weights, block_bytes), dtype=np.uint8)
-    for offset, value in _SCALES[qtype]:
-        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    if random_scales:
+        for offset in scale_offsets(QuantType[qtype]):
+            scales = (rng.random(blocks.shape[:2]) * 0.01 + 1e-3).astype(np.float16)
+            blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    else:
+        for offset, value in _SCALES[qtype]:
+            blocks[..., offset : offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
     return blocks.reshape(rows, -1)
 
 

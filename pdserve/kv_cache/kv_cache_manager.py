@@ -53,6 +53,20 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def _num_needed(
+        self, request_id: str, num_total_tokens: int, cached_prefix: Sequence[KVBlock]
+    ) -> int:
+        held = self._blocks.get(request_id, [])
+        return -(-num_total_tokens // self.block_size) - len(held) - len(cached_prefix)
+
+    def can_allocate(
+        self, request_id: str, num_total_tokens: int, cached_prefix: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Whether `allocate` with these arguments would succeed now."""
+        num_needed = self._num_needed(request_id, num_total_tokens, cached_prefix)
+        reserved = self.pool.num_evictable_among(cached_prefix)
+        return max(num_needed, 0) <= self.pool.num_free_blocks - reserved
+
     def allocate(
         self,
         request_id: str,
@@ -63,10 +77,8 @@ class KVCacheManager:
 
         `cached_prefix` (first allocation only) are prefix-cache hits to share.
         """
-        held = self._blocks.get(request_id, [])
-        num_needed = -(-num_total_tokens // self.block_size) - len(held) - len(cached_prefix)
-        reserved = self.pool.num_evictable_among(cached_prefix)
-        if max(num_needed, 0) > self.pool.num_free_blocks - reserved:
+        num_needed = self._num_needed(request_id, num_total_tokens, cached_prefix)
+        if not self.can_allocate(request_id, num_total_tokens, cached_prefix):
             return False
         self.pool.touch(cached_prefix)
         new_blocks = [*cached_prefix, *self.pool.allocate(max(num_needed, 0))]

@@ -28,16 +28,12 @@ QUANTIZABLE = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1]
 
 
 def random_blocks(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [n, row bytes] of random quants, every fp16 scale field a random small
-    number (what a file of any format holds, without a quantizer for it)."""
+    """uint8 [n, row bytes] of random quants and small random scales (what a file of any
+    format holds, without a quantizer for it)."""
+    from pdserve_bench.synthetic_gguf import random_blocks as blocks
+
     rng = np.random.default_rng(seed)
-    data = rng.integers(
-        0, 256, size=(n, k // qtype.block_weights, qtype.block_bytes), dtype=np.uint8
-    )
-    for at in quant.scale_offsets(qtype):
-        scales = (rng.random(data.shape[:2]) * 0.01 + 1e-3).astype(np.float16)
-        data[..., at : at + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
-    return torch.from_numpy(data.reshape(n, -1))
+    return torch.from_numpy(blocks(qtype.name, n, k, rng, random_scales=True))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.label)
