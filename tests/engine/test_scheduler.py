@@ -302,6 +302,38 @@ def test_preempted_request_goes_back_ahead_of_later_arrivals() -> None:
     assert_idle(scheduler)
 
 
+def test_a_prompt_starts_only_when_all_of_it_fits() -> None:
+    """Chunked prefill must not start a prompt the pool cannot hold whole while others
+    run: it would be preempted by their growth and computed again from the start, over
+    and over. Here `b` (40 tokens, 10 blocks) waits until `a` is done with its blocks,
+    though its first 8-token chunk would fit beside `a` at once; nothing is preempted."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    a = make_request(24, max_tokens=8, request_id="a", first_token_id=100)  # 8 blocks at most
+    b = make_request(40, max_tokens=4, request_id="b", first_token_id=200)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    admitted_b_with_a_running = False
+    while scheduler.has_unfinished():
+        out = run_step(scheduler)
+        assert not out.preempted_ids
+        if any(s.request is b for s in out.scheduled) and a.status is RequestStatus.RUNNING:
+            admitted_b_with_a_running = True
+    assert not admitted_b_with_a_running
+    assert scheduler.num_preemptions == 0
+    assert b.output_token_ids == [SAMPLED_TOKEN] * 4
+    assert_idle(scheduler)
+
+
+def test_a_prompt_larger_than_the_free_pool_still_runs_alone() -> None:
+    """Nothing running: a prompt is admitted chunk by chunk as before (no one to wait for)."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    big = make_request(56, max_tokens=4, request_id="big")
+    scheduler.add_request(big)
+    run_until_done(scheduler)
+    assert big.output_token_ids == [SAMPLED_TOKEN] * 4
+    assert_idle(scheduler)
+
+
 # -- abort -----------------------------------------------------------------------------------
 
 
