@@ -14,7 +14,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.errors import ConfigError, ModelLoadError
-from pdserve.model import cpu_kernels, quant
+from pdserve.model import cpu_isa, cpu_kernels, quant
 from pdserve.model.files import default_model_path
 from pdserve.model.loader import load_model
 from pdserve.model.ops import CpuKernelOps
@@ -96,12 +96,46 @@ def test_linear_is_the_dequantized_product(
     assert (y.double() - expected).abs().max().item() <= 2 * step * scale
 
 
+def split_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the bf16 library's integer dot products take it (quant_linear.h's
+    `split_x`): per block of 32, s a power of two with 32 <= max|x| / s < 64, x1 = round(x /
+    s), x2 = round(256 (x / s - x1)) (a tie x2 = 128 carried into x1), x = s (x1 + x2 / 256)."""
+    m, k = x.shape
+    xb = x.double().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    _, exponent = torch.frexp(amax)  # amax = f 2^exponent, 1/2 <= f < 1
+    s = torch.pow(2.0, (exponent - 6).double())
+    t = xb / s
+    x1 = torch.round(t)
+    x2 = torch.round((t - x1) * 256)
+    tie = x2 == 128
+    x1, x2 = torch.where(tie, x1 + 1, x1), torch.where(tie, -128.0, x2)
+    assert x1.abs().max() <= 65 and x2.min() >= -128 and x2.max() <= 127  # signed bytes
+    kept = torch.where(amax >= 2.0**-121, s * (x1 + x2 / 256), 0.0)
+    return kept.reshape(m, k)
+
+
+def test_split_x_keeps_bf16_near_the_block_maximum_exactly() -> None:
+    """The reference above: a bf16 x within 2^-6 of its block's largest kept exactly, any
+    other within 2^-14 of the largest."""
+    x = (torch.randn(8, 256) * torch.logspace(-3, 3, 8).unsqueeze(1)).to(torch.bfloat16)
+    x[0, :32] = 0.0
+    kept = split_x(x)
+    amax = x.double().reshape(8, 8, 32).abs().amax(-1, keepdim=True).expand(8, 8, 32)
+    amax = amax.reshape(8, 256)
+    near = x.double().abs() >= amax / 64
+    assert torch.equal(kept[near], x.double()[near])
+    assert ((kept - x.double()).abs() <= amax * 2.0**-14).all()
+    assert not torch.equal(kept, x.double())  # some small x is rounded
+
+
 @pytest.mark.parametrize("qtype", [None, *TYPES], ids=lambda t: t.label if t else "dense")
-@pytest.mark.parametrize("m", [1, 4, 5, 33])  # blocks: 1-4 widened in registers
+@pytest.mark.parametrize("m", [1, 4, 5, 33])  # blocks: 1-4 dotted from the blocks
 def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
     """The bf16 library's LM head (`pd_logits`) writes float32: the product of the bf16
     activations and the weight as kept, summed in float32, not rounded to bf16. (From 5
-    rows, blocks are dequantized to bf16 for the dense loop, as every bf16 linear does.)"""
+    rows, blocks are dequantized to bf16 for the dense loop, as every bf16 linear does; up
+    to 4 they are integer dot products with x split in two bytes, where the CPU has VNNI.)"""
     k = cpu_kernels.load(torch.bfloat16)
     if k is None:
         pytest.skip(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
@@ -119,7 +153,8 @@ def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
         dense = (dense if m <= 4 else dense.to(torch.bfloat16)).double()
     x = torch.randn(m, kk).to(torch.bfloat16)
     y = k.logits(x, head)
-    expected = x.double() @ dense.T
+    integer = qtype is not None and m <= 4 and "avx512_vnni" in cpu_isa.cpu_flags()
+    expected = (split_x(x) if integer else x.double()) @ dense.T
     assert y.dtype == torch.float32 and y.shape == (m, n)
     scale = expected.abs().amax().item()
     assert (y.double() - expected).abs().max().item() <= 2**-18 * scale  # float sums only

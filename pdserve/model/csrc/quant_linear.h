@@ -16,13 +16,14 @@
 // super-block is 8 such steps, its scales unpacked once for all of them (`k_subblocks`:
 // 1.3-1.8x faster than unpacking a sub-block's scales at each step).
 //
-// Every product is the dequantized weights' product: the blocks are widened to float in
-// registers and multiplied by x as it is (float, or bf16 widened), so a model on its
-// blocks computes what the same model dequantized at load computes, up to the order of
-// additions. llama.cpp instead quantizes x to 8 bits per block and takes integer dot
-// products. That path was built and measured here (1.5-2x faster at 1-2 rows of x), and
-// dropped: the activation rounding flips near-tied greedy tokens (the default model then
-// answers "L'Etoile" for the capital of France, as bf16 rounding did).
+// Every product is the dequantized weights' product. The float32 libraries widen the
+// blocks to float in registers and multiply x as it is, so a model on its blocks computes
+// what the same model dequantized at load computes, up to the order of additions. The bf16
+// library takes integer dot products on the blocks' integers instead (VNNI), with x split
+// exactly enough to keep the answers (`split_x`: fixed point 2^-14 below each block's
+// largest, against bf16's own 2^-9). llama.cpp quantizes x to one byte a block; that path
+// was built here and dropped: the rounding flipped near-tied greedy tokens of the default
+// model ("L'Etoile" for the capital of France).
 //
 // Two shapes of loop (each library's linear_quant picks by the rows of x):
 // - few rows (decode): `linear_fused`, each weight block widened once in registers and
@@ -384,18 +385,6 @@ void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N
 
 constexpr int64_t kFusedMaxM = 4;
 
-// y[M, N] = x[M, K] W^T (+ bias), M <= kFusedMaxM, W in format `type` (block_bytes(type)
-// != 0), K % 32 == 0. y in T, or float (the bf16 library's logits).
-#if defined(__AVX512BF16__)
-// K-quants in the bf16 library: bf16 dot products on the blocks' integers. x is bf16
-// already, and q (0-63) is exact in bf16, so vdpbf16ps multiplies them exactly, 32
-// weights an instruction, with no widening to float: sub-block j of a row contributes
-// a_j * sum(q x) + c_j * sum(x), the second from sums of x taken once a call. The
-// products are the dequantized weights' (w = a q + c), summed in another order. At one
-// row, 2 threads, AVX512-BF16 class: Q4_K 23 -> 32 Gweights/s, Q5_K 19 -> 27, Q6_K 17 -> 20
-// against the float widening (the q widened by a 16-bit table lookup; the shuffles are
-// what bounds it now). llama.cpp's int8 dot products reach ~42 on the same machine.
-
 // All 8 sub-blocks' q of a K-quant super-block, 32 bytes each (sub-block j's weight l in
 // byte l of q[j]), from 256-bit loads: the layouts at `k_quants`.
 template <int64_t kType>
@@ -403,11 +392,14 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
   const __m256i low4 = _mm256_set1_epi8(15);
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   if constexpr (kType == kQ6_K) {
-    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
     for (int n = 0; n < 2; n++) {
       const __m256i ql0 = load(blk + 64 * n), ql1 = load(blk + 64 * n + 32);
       const __m256i qh = load(blk + 128 + 32 * n);
-      auto high = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4); };
+      // bits shift, shift + 1 of qh's bytes moved to bits 4-5 (one shift: what crosses a byte is masked)
+      auto high = [&](int shift) {
+        return _mm256_and_si256(shift <= 4 ? _mm256_slli_epi16(qh, 4 - shift) : _mm256_srli_epi16(qh, shift - 4), bits45);
+      };
       q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), high(0));
       q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), high(2));
       q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), high(4));
@@ -430,88 +422,230 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
   }
 }
 
-// y[m, n] for MT rows of bf16 x: per row of W, each super-block's q widened to bf16 once
-// (a table lookup on 16-bit lanes) and dotted with every row of x. `xsum` [MT][K / 16]:
-// the sums of x over each 16 weights.
-template <int64_t kType, int MT, typename Y>
-void fused_rows_bf16(const uint16_t* x, const float* xsum, const uint8_t* w, const uint16_t* bias,
-                     Y* y, int64_t N, int64_t K) {
-  // bf16 of 0..63: a table the 16-bit lanes' q index (two registers for Q6_K's 6 bits).
-  alignas(64) uint16_t table[64];
-  for (int i = 0; i < 64; i++) {
-    const float f = static_cast<float>(i);
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    table[i] = static_cast<uint16_t>(u >> 16);  // exact: i has at most 6 significant bits
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The bf16 library (every CPU with AVX512-BF16 has AVX512-VNNI): integer dot products on
+// the blocks' integers, every format. A block's q are unsigned bytes (Q8_0's int8 q + 128),
+// w = a q + c, so a 32-weight step of a row contributes a * sum(q x) + c * sum(x); the
+// second comes from sums of x taken once a call, the first from vpdpbusd (bytes times
+// signed bytes, 32 products in 8 int32 lanes) on x split into two signed bytes a block, the
+// sums of x taken of x as split, so the result is W x' for x' below:
+//
+//   x = s (x1 + x2 / 256), s a power of two with 32 <= max|x| / s < 64 over the block,
+//   x1 = round(x / s) in [-64, 64], x2 = round(256 (x / s - x1)) in [-128, 127].
+//
+// That is x in fixed point with 13-14 bits below the block's largest: a bf16 x (8
+// significant bits) within 2^-6 of its block's largest is kept exactly, a smaller one to
+// 2^-14 of the largest (bf16 itself keeps 2^-9 of each x). The integer products are
+// exact, so the result is the dequantized weights' product with x kept so, summed in
+// another order; llama.cpp's one-byte x (2^-8 of the largest) flipped near-tied greedy
+// tokens of the default model and is not used. Two vpdpbusd a step where llama.cpp takes
+// one, and still faster than what it replaced (float widening; K-quants: q widened to
+// bf16 by a table lookup for vdpbf16ps, bound by the shuffles). At one row, 2 threads,
+// AVX512-BF16 class (bench/quant_linear_probe.py), Gweights/s before -> after: Q4_0 28.6
+// -> 31, Q4_1 28 -> 31, Q5_0 18.5 -> 34, Q8_0 33 -> 34 (memory-bound), Q4_K 32.8 -> 46,
+// Q5_K 27.5 -> 41, Q6_K 19.8 -> 32; llama.cpp ~43 on Q4_K.
+
+// x [M, K] split as above: per row m and 32-weight block b, bytes [64 i, 64 i + 32) of `q`
+// (i = m K / 32 + b) are x1, the next 32 x2; scale[i] = s / 256 (sum(q x) = scale *
+// (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16] the sums of x over each 16 weights.
+inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum16) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t i = 0; i < M * K / kBlock; i++) {
+    __m512 v[2];
+    for (int h = 0; h < 2; h++) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock * i + 16 * h));
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], abs_mask), _mm512_and_ps(v[1], abs_mask)));
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    const int e = static_cast<int>(bits >> 23);  // amax's biased exponent
+    int8_t* out = q + 64 * i;
+    if (e < 6 || e > 250) {  // below 2^-121 (or not finite): the block counts as zeros
+      memset(out, 0, 64);
+      scale[i] = sum16[2 * i] = sum16[2 * i + 1] = 0.0f;
+      continue;
+    }
+    const uint32_t inv_bits = static_cast<uint32_t>(259 - e) << 23, s_bits = static_cast<uint32_t>(e - 5) << 23;
+    float inv, s;
+    memcpy(&inv, &inv_bits, 4);  // 2^(5 - exponent): exact
+    memcpy(&s, &s_bits, 4);
+    scale[i] = s * (1.0f / 256);
+    for (int h = 0; h < 2; h++) {
+      const __m512 t = _mm512_mul_ps(v[h], _mm512_set1_ps(inv));
+      __m512 t1 = _mm512_roundscale_ps(t, rounding);
+      __m512 t2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, t1), _mm512_set1_ps(256.0f)), rounding);
+      const __mmask16 tie = _mm512_cmp_ps_mask(t2, _mm512_set1_ps(128.0f), _CMP_EQ_OQ);  // x / s - x1 = 1/2
+      t1 = _mm512_mask_add_ps(t1, tie, t1, _mm512_set1_ps(1.0f));
+      t2 = _mm512_mask_mov_ps(t2, tie, _mm512_set1_ps(-128.0f));
+      // the sum of x as kept (exact: 16 multiples of 2^-8 below 66)
+      sum16[2 * i + h] = s * _mm512_reduce_add_ps(_mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 256), t1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t1)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t2)));
+    }
   }
-  const __m512i lut_lo = _mm512_load_si512(table), lut_hi = _mm512_load_si512(table + 32);
-  const int64_t supers = K / 256;
+}
+
+// A 32-weight format's block as 32 unsigned bytes (weight l in byte l), w = a q + c.
+template <int64_t kType>
+inline __m256i block_u8(const uint8_t* blk) {
+  if constexpr (kType == kQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+  } else {
+    constexpr int at = kType == kQ4_0 ? 2 : kType == kQ4_1 ? 4 : kType == kQ5_0 ? 6 : 8;  // qs
+    // nibbles: qs in both halves, the upper one shifted down 4
+    const __m256i both = _mm256_broadcastsi128_si256(load16(blk + at));
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), _mm256_set1_epi8(15));
+    if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // bit l of qh: 16 in byte l
+      uint32_t qh;
+      memcpy(&qh, blk + at - 4, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+}
+
+// The scales a and offsets c of 8 consecutive blocks of a 32-weight format, by one gather
+// of their first 4 bytes (d, and m where the format has one): 8 scalar half conversions a
+// block cost these formats more than the dot products.
+// Blocks past `live` (a row's last, partial group) are not read and count as zeros.
+template <int64_t kType>
+inline void block_scales8(const uint8_t* blk, __mmask8 live, __m256* a, __m256* c) {
+  constexpr int bytes = static_cast<int>(block_bytes(kType));
+  const __m256i at = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes, 6 * bytes, 7 * bytes);
+  const __m256i head = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, at, blk, 1);
+  *a = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
+  constexpr float k = kType == kQ8_0 ? -128.0f : kType == kQ4_0 ? -8.0f : -16.0f;
+  *c = kType == kQ4_1 || kType == kQ5_1 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)))
+                                       : _mm256_mul_ps(*a, _mm256_set1_ps(k));
+}
+
+// A K-quant super-block's scales as vectors (k_scales' values, without its scalar unpacking:
+// that cost 1.4x at one row): a[j] for sub-block j's weights (Q6_K: a[h] for 16 weights h),
+// and the offsets c of the 16 halves returned.
+template <int64_t kType>
+inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
+  if constexpr (kType == kQ6_K) {
+    const __m512 av = _mm512_mul_ps(_mm512_set1_ps(half(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(blk + 192))));
+    _mm512_store_ps(a, av);
+    return _mm512_mul_ps(av, _mm512_set1_ps(-32.0f));
+  } else {  // the 12 bytes rearranged into 8 scales and 8 mins (ggml's get_scale_min_k4, 4 at a time)
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    const uint32_t mins_low = u[1] & low6;
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    u[2] = mins_low;
+    u[0] &= low6;
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
+    const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(half(blk)), _mm256_set1_ps(-half(blk + 2)), 1);
+    const __m512 sm = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(bytes));  // a[0..7], c[0..7]
+    _mm512_store_ps(a, sm);
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), sm);
+  }
+}
+
+// y[m, n] for MT rows of x split by split_x: per row of W, each step's q dotted with every
+// row of x. Two accumulator chains a row: a step's FMA waits on the last but one.
+template <int64_t kType, int MT, typename Y>
+void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32, const uint8_t* w,
+                   const uint16_t* bias, Y* y, int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes(kType, K);
-    __m512 acc[MT][2], off[MT];  // two chains a row: a sub-block's FMA waits on the last but one
-    for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = off[m] = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < supers; sb++) {
-      const uint8_t* blk = row + sb * block_bytes(kType);
-      float a[8][2], c[8][2];
-      k_scales<kType>(blk, a, c);
-      __m256i q[8];
-      k_quants32<kType>(blk, q);
-      for (int j = 0; j < 8; j++) {
-        const __m512i q16 = _mm512_cvtepu8_epi16(q[j]);
-        const __m512bh wb = (__m512bh)(kType == kQ6_K ? _mm512_permutex2var_epi16(lut_lo, q16, lut_hi)
-                                                      : _mm512_permutexvar_epi16(q16, lut_lo));
-        const __m512 scale = a[j][0] == a[j][1] ? _mm512_set1_ps(a[j][0])
-                                                : _mm512_insertf32x8(_mm512_set1_ps(a[j][0]), _mm256_set1_ps(a[j][1]), 1);
-        const int64_t k0 = sb * 256 + 32 * j;
+    __m256 acc[MT][2];
+    __m512 off[MT];  // c against the sums of x
+    for (int m = 0; m < MT; m++) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      off[m] = _mm512_setzero_ps();
+    }
+    // block b's 32 q against row m of x, times `scale` (a times x's scale; lanes 0-3:
+    // weights 0-15, lanes 4-7: 16-31)
+    auto dot = [&](int m, int64_t b, __m256i q, __m256 scale) {
+      const __m256i* xp = reinterpret_cast<const __m256i*>(xq + 64 * (m * nb + b));
+      const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256(xp));
+      const __m256i d = _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), q, _mm256_loadu_si256(xp + 1));
+      acc[m][b % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m][b % 2]);
+    };
+    auto step = [&](int64_t b, __m256i q, __m256 av) {
+      for (int m = 0; m < MT; m++) dot(m, b, q, _mm256_mul_ps(av, _mm256_set1_ps(xscale[m * nb + b])));
+    };
+    if constexpr (is_k_quant(kType)) {
+      for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t* blk = row + sb * block_bytes(kType);
+        alignas(64) float a[16];
+        const __m512 cv = k_scales16<kType>(blk, a);
+        __m256i q[8];
+        k_quants32<kType>(blk, q);
+        for (int j = 0; j < 8; j++)
+          step(8 * sb + j, q[j], kType == kQ6_K ? _mm256_set_m128(_mm_broadcast_ss(a + 2 * j + 1), _mm_broadcast_ss(a + 2 * j))
+                                                : _mm256_broadcast_ss(a + j));
+        for (int m = 0; m < MT; m++) off[m] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xsum + m * (K / 16) + sb * 16), off[m]);
+      }
+    } else {
+      // 8 blocks a step of scales; K = 32 (8 i + r) leaves r blocks to a last, partial group
+      for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int group = static_cast<int>(std::min<int64_t>(8, nb - b0));
+        const uint8_t* blk = row + b0 * block_bytes(kType);
+        const __mmask8 live = static_cast<__mmask8>((1u << group) - 1);
+        __m256 a, c;
+        block_scales8<kType>(blk, live, &a, &c);
+        alignas(32) float scaled[MT][8];  // a times x's scale, for each row of x
         for (int m = 0; m < MT; m++) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k0);
-          acc[m][j % 2] = _mm512_fmadd_ps(scale, _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, xv), acc[m][j % 2]);
+          const int64_t i = m * nb + b0;
+          _mm256_store_ps(scaled[m], _mm256_mul_ps(a, _mm256_maskz_loadu_ps(live, xscale + i)));
+          off[m] = _mm512_add_ps(off[m], _mm512_zextps256_ps512(_mm256_mul_ps(c, _mm256_maskz_loadu_ps(live, xsum32 + i))));
+        }
+        for (int j = 0; j < group; j++) {
+          const __m256i q = block_u8<kType>(blk + j * block_bytes(kType));
+          for (int m = 0; m < MT; m++) dot(m, b0 + j, q, _mm256_broadcast_ss(&scaled[m][j]));
         }
       }
-      // the offsets: c[j][h] against the sums of x over the super-block's 16 halves
-      const __m512 cv = _mm512_loadu_ps(&c[0][0]);
-      for (int m = 0; m < MT; m++) off[m] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xsum + m * (K / 16) + sb * 16), off[m]);
     }
-    for (int m = 0; m < MT; m++)
-      Elem<Y>::store(y + m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), off[m])) +
-                                        (bias ? Elem<uint16_t>::load(bias + n) : 0.0f));
+    for (int m = 0; m < MT; m++) {
+      const __m256 sum = _mm256_add_ps(acc[m][0], acc[m][1]);
+      const float dots = _mm512_reduce_add_ps(_mm512_add_ps(off[m], _mm512_zextps256_ps512(sum)));
+      Elem<Y>::store(y + m * N + n, dots + (bias ? Elem<uint16_t>::load(bias + n) : 0.0f));
+    }
   }
 }
 
 template <typename Y>
-bool linear_fused_bf16(const uint16_t* x, const uint8_t* w, int64_t type, const uint16_t* bias, Y* y,
-                       int64_t M, int64_t N, int64_t K) {
-  if (!is_k_quant(type)) return false;
-  static thread_local std::vector<float> xsum;  // the calling thread's
-  xsum.resize(M * (K / 16));
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t g = 0; g < K / 16; g++) {
-      float s = 0.0f;
-      for (int i = 0; i < 16; i++) s += Elem<uint16_t>::load(x + m * K + 16 * g + i);
-      xsum[m * (K / 16) + g] = s;
-    }
+void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const uint16_t* bias, Y* y,
+                     int64_t M, int64_t N, int64_t K) {
+  static thread_local std::vector<int8_t> xq;  // the calling thread's
+  static thread_local std::vector<float> xscale, xsum, xsum32;
+  xq.resize(M * K * 2);
+  xscale.resize(M * K / kBlock);
+  xsum.resize(M * K / 16);
+  xsum32.resize(M * K / kBlock);
+  split_x(x, M, K, xq.data(), xscale.data(), xsum.data());
+  for (int64_t i = 0; i < M * K / kBlock; i++) xsum32[i] = xsum[2 * i] + xsum[2 * i + 1];
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
-    if constexpr (is_k_quant(kType)) {
-      switch (M) {
-        case 1: fused_rows_bf16<kType, 1>(x, xsum.data(), w, bias, y, N, K); break;
-        case 2: fused_rows_bf16<kType, 2>(x, xsum.data(), w, bias, y, N, K); break;
-        case 3: fused_rows_bf16<kType, 3>(x, xsum.data(), w, bias, y, N, K); break;
-        case 4: fused_rows_bf16<kType, 4>(x, xsum.data(), w, bias, y, N, K); break;
-      }
+    switch (M) {
+      case 1: fused_rows_i8<kType, 1>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 2: fused_rows_i8<kType, 2>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 3: fused_rows_i8<kType, 3>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 4: fused_rows_i8<kType, 4>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
     }
   });
-  return true;
 }
 #endif
 
+// y[M, N] = x[M, K] W^T (+ bias), M <= kFusedMaxM, W in format `type` (block_bytes(type)
+// != 0), K % 32 == 0. y in T, or float (the bf16 library's logits).
 template <typename T, typename Y>
 void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
                   int64_t N, int64_t K) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>)
-    if (linear_fused_bf16(x, w, type, bias, y, M, N, K)) return;
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    linear_fused_i8(x, w, type, bias, y, M, N, K);
+    return;
+  }
 #endif
   const float* xf;
   static thread_local std::vector<float> x_float;  // the calling thread's
