@@ -26,8 +26,9 @@
 // model ("L'Etoile" for the capital of France).
 //
 // Two shapes of loop (each library's linear_quant picks by the rows of x):
-// - few rows (decode): `linear_fused`, each weight block widened once in registers and
-//   used for every row of x, one weight row at a time in storage order;
+// - few rows (decode): `linear_fused`, each weight block unpacked once in registers (widened
+//   to float, or bytes for the bf16 library's integer dot products) and used for every row
+//   of x, one weight row at a time in storage order;
 // - more rows: `linear_dequantized`, a group of weight rows dequantized into an L1 buffer
 //   and handed to the library's dense linear.
 //
@@ -183,15 +184,19 @@ inline __m128i fifth_bits(uint16_t b) {
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
 }
 
-// Q4_K/Q5_K: sub-block j's 6-bit scale and min, as ggml packs them in 12 bytes.
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K/Q5_K: the 8 sub-blocks' 6-bit scales and mins, as ggml packs them in 12 bytes,
+// rearranged 4 at a time into bytes (ggml's get_scale_min_k4): out[j] sub-block j's scale,
+// out[8 + j] its min.
+inline void k4_scale_bytes(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t u[4];
+  memcpy(u, packed, 12);
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  memcpy(out, u, 16);
 }
 
 // A Q5_0/Q5_1 block {d; [m;] qh[4]; qs[16]}: its q as two 16-byte halves, with the scale a
@@ -222,11 +227,11 @@ inline void k_scales(const uint8_t* blk, float a[8][2], float c[8][2]) {
       }
   } else {  // d, dmin, then 6-bit scales and mins packed in 12 bytes
     const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sm[16];
+    k4_scale_bytes(blk + 4, sm);
     for (int j = 0; j < 8; j++) {
-      int sc, m;
-      scale_min_k4(j, blk + 4, &sc, &m);
-      a[j][0] = a[j][1] = d * static_cast<float>(sc);
-      c[j][0] = c[j][1] = -(dmin * static_cast<float>(m));
+      a[j][0] = a[j][1] = d * static_cast<float>(sm[j]);
+      c[j][0] = c[j][1] = -(dmin * static_cast<float>(sm[8 + j]));
     }
   }
 }
@@ -385,6 +390,29 @@ void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N
 
 constexpr int64_t kFusedMaxM = 4;
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The bf16 library (every CPU with AVX512-BF16 has AVX512-VNNI): integer dot products on
+// the blocks' integers, every format. A block's q are unsigned bytes (Q8_0's int8 q + 128),
+// w = a q + c, so a 32-weight step of a row contributes a * sum(q x) + c * sum(x); the
+// second comes from sums of x taken once a call, the first from vpdpbusd (bytes times
+// signed bytes, 32 products in 8 int32 lanes) on x split into two signed bytes a block, the
+// sums of x taken of x as split, so the result is W x' for x' below:
+//
+//   x = s (x1 + x2 / 256), s a power of two with 32 <= max|x| / s < 64 over the block,
+//   x1 = round(x / s) in [-64, 64], x2 = round(256 (x / s - x1)) in [-128, 127].
+//
+// That is x in fixed point with 13-14 bits below the block's largest: a bf16 x (8
+// significant bits) within 2^-6 of its block's largest is kept exactly, a smaller one to
+// 2^-14 of the largest (bf16 itself keeps 2^-9 of each x). The integer products are
+// exact, so the result is the dequantized weights' product with x kept so, summed in
+// another order; llama.cpp's one-byte x (2^-8 of the largest) flipped near-tied greedy
+// tokens of the default model and is not used. Two vpdpbusd a step where llama.cpp takes
+// one, and still faster than what it replaced (float widening; K-quants: q widened to
+// bf16 by a table lookup for vdpbf16ps, bound by the shuffles). At one row, 2 threads,
+// AVX512-BF16 class (bench/quant_linear_probe.py), Gweights/s before -> after: Q4_0 28.6
+// -> 31, Q4_1 28 -> 31, Q5_0 18.5 -> 34, Q8_0 33 -> 34 (memory-bound), Q4_K 32.8 -> 46,
+// Q5_K 27.5 -> 41, Q6_K 19.8 -> 32; llama.cpp ~43 on Q4_K.
+
 // All 8 sub-blocks' q of a K-quant super-block, 32 bytes each (sub-block j's weight l in
 // byte l of q[j]), from 256-bit loads: the layouts at `k_quants`.
 template <int64_t kType>
@@ -422,33 +450,11 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// The bf16 library (every CPU with AVX512-BF16 has AVX512-VNNI): integer dot products on
-// the blocks' integers, every format. A block's q are unsigned bytes (Q8_0's int8 q + 128),
-// w = a q + c, so a 32-weight step of a row contributes a * sum(q x) + c * sum(x); the
-// second comes from sums of x taken once a call, the first from vpdpbusd (bytes times
-// signed bytes, 32 products in 8 int32 lanes) on x split into two signed bytes a block, the
-// sums of x taken of x as split, so the result is W x' for x' below:
-//
-//   x = s (x1 + x2 / 256), s a power of two with 32 <= max|x| / s < 64 over the block,
-//   x1 = round(x / s) in [-64, 64], x2 = round(256 (x / s - x1)) in [-128, 127].
-//
-// That is x in fixed point with 13-14 bits below the block's largest: a bf16 x (8
-// significant bits) within 2^-6 of its block's largest is kept exactly, a smaller one to
-// 2^-14 of the largest (bf16 itself keeps 2^-9 of each x). The integer products are
-// exact, so the result is the dequantized weights' product with x kept so, summed in
-// another order; llama.cpp's one-byte x (2^-8 of the largest) flipped near-tied greedy
-// tokens of the default model and is not used. Two vpdpbusd a step where llama.cpp takes
-// one, and still faster than what it replaced (float widening; K-quants: q widened to
-// bf16 by a table lookup for vdpbf16ps, bound by the shuffles). At one row, 2 threads,
-// AVX512-BF16 class (bench/quant_linear_probe.py), Gweights/s before -> after: Q4_0 28.6
-// -> 31, Q4_1 28 -> 31, Q5_0 18.5 -> 34, Q8_0 33 -> 34 (memory-bound), Q4_K 32.8 -> 46,
-// Q5_K 27.5 -> 41, Q6_K 19.8 -> 32; llama.cpp ~43 on Q4_K.
-
 // x [M, K] split as above: per row m and 32-weight block b, bytes [64 i, 64 i + 32) of `q`
 // (i = m K / 32 + b) are x1, the next 32 x2; scale[i] = s / 256 (sum(q x) = scale *
-// (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16] the sums of x over each 16 weights.
-inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum16) {
+// (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16] and sum32 [M, K / 32] the sums of x
+// over each 16 and 32 weights (the K-quants' offsets take halves, the others blocks).
+inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum16, float* sum32) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t i = 0; i < M * K / kBlock; i++) {
@@ -464,7 +470,7 @@ inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* s
     int8_t* out = q + 64 * i;
     if (e < 6 || e > 250) {  // below 2^-121 (or not finite): the block counts as zeros
       memset(out, 0, 64);
-      scale[i] = sum16[2 * i] = sum16[2 * i + 1] = 0.0f;
+      scale[i] = sum16[2 * i] = sum16[2 * i + 1] = sum32[i] = 0.0f;
       continue;
     }
     const uint32_t inv_bits = static_cast<uint32_t>(259 - e) << 23, s_bits = static_cast<uint32_t>(e - 5) << 23;
@@ -484,6 +490,7 @@ inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* s
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t1)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t2)));
     }
+    sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
   }
 }
 
@@ -530,16 +537,10 @@ inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
     const __m512 av = _mm512_mul_ps(_mm512_set1_ps(half(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(blk + 192))));
     _mm512_store_ps(a, av);
     return _mm512_mul_ps(av, _mm512_set1_ps(-32.0f));
-  } else {  // the 12 bytes rearranged into 8 scales and 8 mins (ggml's get_scale_min_k4, 4 at a time)
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    const uint32_t mins_low = u[1] & low6;
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    u[2] = mins_low;
-    u[0] &= low6;
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));
+  } else {
+    uint8_t sm_bytes[16];
+    k4_scale_bytes(blk + 4, sm_bytes);
+    const __m512i bytes = _mm512_cvtepu8_epi32(load16(sm_bytes));
     const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(half(blk)), _mm256_set1_ps(-half(blk + 2)), 1);
     const __m512 sm = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(bytes));  // a[0..7], c[0..7]
     _mm512_store_ps(a, sm);
@@ -550,7 +551,8 @@ inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
 // y[m, n] for MT rows of x split by split_x: per row of W, each step's q dotted with every
 // row of x. Two accumulator chains a row: a step's FMA waits on the last but one.
 template <int64_t kType, int MT, typename Y>
-void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32, const uint8_t* w,
+void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32,
+                   const uint8_t* w,
                    const uint16_t* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
 #pragma omp parallel for schedule(static)
@@ -622,8 +624,7 @@ void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const ui
   xscale.resize(M * K / kBlock);
   xsum.resize(M * K / 16);
   xsum32.resize(M * K / kBlock);
-  split_x(x, M, K, xq.data(), xscale.data(), xsum.data());
-  for (int64_t i = 0; i < M * K / kBlock; i++) xsum32[i] = xsum[2 * i] + xsum[2 * i + 1];
+  split_x(x, M, K, xq.data(), xscale.data(), xsum.data(), xsum32.data());
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
     switch (M) {
