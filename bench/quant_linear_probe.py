@@ -43,6 +43,8 @@ def seconds_per_matrix(run: Callable[[Any], object], matrices: list[Any], repeat
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--rows", type=int, default=1, help="rows of x (a step's batch)")
+    p.add_argument("--formats", default="", help="comma-separated labels (default: all)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     for dtype, isa in [(torch.bfloat16, CpuIsa.AVX512_BF16), (torch.float32, CpuIsa.AVX2)]:
@@ -50,8 +52,9 @@ def main() -> None:
         if k is None:
             print(f"{isa.label}: {cpu_kernels.unavailable_reason(dtype, isa)}")
             continue
-        x = torch.randn(1, K).to(dtype)
-        for qtype in QuantType:
+        x = torch.randn(args.rows, K).to(dtype)
+        wanted = args.formats.split(",") if args.formats else [q.label for q in QuantType]
+        for qtype in [q for q in QuantType if q.label in wanted]:
             layers = []
             for _ in range(MATRICES):
                 layer = QuantLinear(K, N, qtype, None)
@@ -60,11 +63,11 @@ def main() -> None:
             s = seconds_per_matrix(partial(k.linear_quant, x), layers, args.repeat)
             gbs = layers[0].qweight.nbytes / s / 1e9
             print(f"{isa.label:12s} {qtype.label:5s} {s * 1e3:6.2f} ms  {gbs:5.1f} GB/s  "
-                  f"{N * K / s / 1e9:5.1f} Gweights/s")  # fmt: skip
+                  f"{N * K / s / 1e9:5.1f} Gweights/s  {args.rows * N * K / s / 1e9:6.1f} GMAC/s")  # fmt: skip
         dense = [torch.randn(N, K).to(dtype) for _ in range(MATRICES)]
         s = seconds_per_matrix(partial(k.linear, x, bias=None), dense, args.repeat)
         print(f"{isa.label:12s} dense {s * 1e3:6.2f} ms  {dense[0].nbytes / s / 1e9:5.1f} GB/s  "
-              f"{N * K / s / 1e9:5.1f} Gweights/s")  # fmt: skip
+              f"{N * K / s / 1e9:5.1f} Gweights/s  {args.rows * N * K / s / 1e9:6.1f} GMAC/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@
 #include "quant_linear.h"
 #include "vec_x86.h"
 #include "attention_f32.h"
+#include "attention_int8.h"
 
 typedef uint16_t bf16;
 
@@ -430,6 +431,58 @@ void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int
   }
 }
 
+// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= kMax.
+template <int kMax, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) {
+      with_count<kMax - 1>(n, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
+// One task of decode attention over the 8-bit cache by integer dot products
+// (attention_int8.h): the task's query heads split once, then the three passes per kv head.
+template <int D>
+void attend_task_int8(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t L, int64_t hk0,
+                      int64_t nhk, int64_t G, float scale, std::vector<float>& scratch, bf16* out) {
+  constexpr int64_t kHeadBytes = D + 4;  // D values and the float32 scale
+  const int64_t ls = (L + 15) / 16 * 16, rows = nhk * G;
+  if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
+  float* s = scratch.data();
+  float* inv = s + rows * ls;
+  static thread_local std::vector<attn_i8::SplitHead> heads;
+  heads.resize(rows);
+  for (int64_t r = 0; r < rows; r++) attn_i8::split_head(q + (hk0 * G + r) * D, D, to_f32, &heads[r]);
+  const int64_t task_bytes = nhk * kHeadBytes, at = hk0 * kHeadBytes;  // the first pass prefetches
+  for (int64_t h = 0; h < nhk; h++) {
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const int64_t r = h * G + g0, pf = h == 0 && g0 == 0 ? task_bytes : 0;
+      with_count<8>(std::min<int64_t>(8, G - g0), [&](auto count) {
+        attn_i8::score_heads<D, decltype(count)::value>(&heads[r], seq, L, (hk0 + h) * kHeadBytes, scale,
+                                                        s + r * ls, ls, pf, at);
+      });
+    }
+  }
+  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L);
+  constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
+  for (int64_t h = 0; h < nhk; h++) {
+    const int64_t hk = hk0 + h;
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+      const int64_t r = h * G + g0, pf = h == 0 && g0 == 0 ? task_bytes : 0;
+      bf16* o = out + (hk * G + g0) * D;
+      with_count<kMaxHeads>(std::min<int64_t>(kMaxHeads, G - g0), [&](auto count) {
+        attn_i8::accumulate_heads<D, decltype(count)::value>(
+            s + r * ls, ls, inv + r, seq, L, hk * kHeadBytes, pf, at, [&](int g, const float* v) {
+              for (int d = 0; d < D; d += 16) store16(o + g * D + d, _mm512_loadu_ps(v + d));
+            });
+      });
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -459,11 +512,22 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t
                         const int64_t* block_tables, int64_t max_blocks,
                         const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
                         int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-  if (kv_format == paged::kKVInt8)
+  const int64_t G = H / Hkv;
+  if (kv_format == paged::kKVInt8 && block_size >= attn_i8::kMinBlock) {
+    const int8_t* cache = static_cast<const int8_t*>(kv);
+    return paged::with_head_size(D, [&](auto head_size) {
+      constexpr int kD = decltype(head_size)::value;
+      paged::for_each_decode_task(
+          cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
+          [&](int64_t b, const paged::PagedSeq<int8_t>& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
+            attend_task_int8<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch, out + b * H * D);
+          });
+    });
+  }
+  if (kv_format == paged::kKVInt8)  // blocks of fewer than 16 tokens
     return decode_attention_int8(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv,
                                  s_tok, block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
                                  block_size, scale);
-  const int64_t G = H / Hkv;
   const bf16* cache = static_cast<const bf16*>(kv);
   return paged::with_head_size(D, [&](auto head_size) {
     constexpr int kD = decltype(head_size)::value;
