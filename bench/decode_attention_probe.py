@@ -4,8 +4,9 @@ Times `CpuKernels.decode_attention` (one layer, one query token a sequence) for 
 model's heads (9 query, 3 kv, head size 64, blocks of 64) at a few context lengths and
 batch sizes, keys in shuffled blocks as a long-running cache holds them; each call on the
 next of enough layers' caches (256 MB of bf16) that they come from memory, as in a step,
-not from the last call's L3; best of `--repeat` passes. GB/s is the cache bytes the call reads over its time: the 8-bit cache
-reads half the bytes, so it is faster only if its kernel keeps up.
+not from the last call's L3; best of `--repeat` passes. GB/s is the cache bytes a call
+reads over its time: the 8-bit cache reads half the bytes, so it is faster only if its
+kernel keeps up.
 
     .venv/bin/python bench/decode_attention_probe.py
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -22,7 +25,9 @@ from pdserve.model import cpu_kernels, kv_format
 H, HKV, D, BLOCK = 9, 3, 64, 64
 
 
-def best_seconds(run, layers: list[torch.Tensor], repeat: int) -> float:  # type: ignore[no-untyped-def]
+def best_seconds(
+    run: Callable[[torch.Tensor], object], layers: list[torch.Tensor], repeat: int
+) -> float:
     """Seconds a call, best of `repeat` passes over every layer's cache."""
     times = []
     for _ in range(repeat + 1):  # the first pass warms up
@@ -55,11 +60,24 @@ def main() -> None:
             row = []
             for one in (cache, kv_format.quantize(cache)):
                 layers = [one.clone() for _ in range(copies)]
-                s = best_seconds(lambda kv: k.decode_attention(q, kv, tables, lens, D**-0.5), layers, args.repeat)
+                attend = partial(_attend, k, q, tables=tables, lens=lens)
+                s = best_seconds(attend, layers, args.repeat)
                 row.append((s, one.nbytes / s / 1e9))
                 del layers
             (sb, gb), (si, gi) = row
-            print(f"{length:7d} {batch:5d}  {sb * 1e3:8.3f} {gb:5.1f}  {si * 1e3:8.3f} {gi:5.1f}   {sb / si:5.2f}x")
+            ms = f"{sb * 1e3:8.3f} {gb:5.1f}  {si * 1e3:8.3f} {gi:5.1f}"
+            print(f"{length:7d} {batch:5d}  {ms}   {sb / si:5.2f}x")
+
+
+def _attend(
+    k: cpu_kernels.CpuKernels,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
+    return k.decode_attention(q, kv, tables, lens, D**-0.5)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ def seconds_per_matrix(run: Callable[[Any], object], matrices: list[Any], repeat
     return min(times[1:]) / len(matrices)
 
 
+def _rates(s: float, nbytes: int, rows: int) -> str:
+    """A matrix's time, bytes read, weights and multiply-adds a second."""
+    weights = N * K / s / 1e9
+    gbs, macs = nbytes / s / 1e9, rows * weights
+    return f"{s * 1e3:6.2f} ms  {gbs:5.1f} GB/s  {weights:5.1f} Gweights/s  {macs:6.1f} GMAC/s"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=5)
@@ -61,13 +68,12 @@ def main() -> None:
                 layer.qweight = torch.from_numpy(random_blocks(qtype.name, N, K, rng, True))
                 layers.append(layer)
             s = seconds_per_matrix(partial(k.linear_quant, x), layers, args.repeat)
-            gbs = layers[0].qweight.nbytes / s / 1e9
-            print(f"{isa.label:12s} {qtype.label:5s} {s * 1e3:6.2f} ms  {gbs:5.1f} GB/s  "
-                  f"{N * K / s / 1e9:5.1f} Gweights/s  {args.rows * N * K / s / 1e9:6.1f} GMAC/s")  # fmt: skip
+            print(
+                f"{isa.label:12s} {qtype.label:5s} {_rates(s, layers[0].qweight.nbytes, args.rows)}"
+            )
         dense = [torch.randn(N, K).to(dtype) for _ in range(MATRICES)]
         s = seconds_per_matrix(partial(k.linear, x, bias=None), dense, args.repeat)
-        print(f"{isa.label:12s} dense {s * 1e3:6.2f} ms  {dense[0].nbytes / s / 1e9:5.1f} GB/s  "
-              f"{N * K / s / 1e9:5.1f} Gweights/s  {args.rows * N * K / s / 1e9:6.1f} GMAC/s")  # fmt: skip
+        print(f"{isa.label:12s} dense {_rates(s, dense[0].nbytes, args.rows)}")
 
 
 if __name__ == "__main__":
