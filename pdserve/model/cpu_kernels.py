@@ -96,7 +96,7 @@ _SIGNATURES = {
     "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
     "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
     "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
-    "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F, _I],
+    "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F, _I],
     "pd_amx_init": [],
     "pd_amx_available": [],
     "pd_linear_quant": [_P, _P, _I, _P, _P, _I, _I, _I],
@@ -434,8 +434,8 @@ class CpuKernels:
         """One prefill chunk's causal attention (the bf16 library: `has_prefill_attention`),
         on AMX tiles where `amx`, else AVX512-BF16 dot products: q [n, H, D] (rows may be
         strided) at positions num_context.., over keys 0..num_context+n-1, all in the paged
-        bf16 cache (block_table [blocks] int64); writes out [n, H, D] (contiguous). Head
-        sizes in PREFILL_HEAD_SIZES."""
+        cache, bf16 or 8-bit (block_table [blocks] int64); writes out [n, H, D]
+        (contiguous). Head sizes in PREFILL_HEAD_SIZES."""
         n, h, d = q.shape
         if q.stride(1) != d or q.stride(2) != 1 or not out.is_contiguous():
             raise ValueError("prefill attention needs dense heads in q and a contiguous out")
@@ -443,9 +443,9 @@ class CpuKernels:
             raise ValueError("prefill attention needs a contiguous int64 block table")
         s_block, s_kv, s_tok = kv_layer.stride()[:3]
         status = self._lib.pd_prefill_attention(
-            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), s_block, s_kv, s_tok,
-            block_table.data_ptr(), kv_layer.shape[2], n, num_context, out.data_ptr(), h,
-            kv_layer.shape[3], d, scale, int(self.amx),
+            q.data_ptr(), q.stride(0), kv_layer.data_ptr(), kv_format.kernel_code(kv_layer.dtype),
+            s_block, s_kv, s_tok, block_table.data_ptr(), kv_layer.shape[2], n, num_context,
+            out.data_ptr(), h, kv_layer.shape[3], d, scale, int(self.amx),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"no prefill-attention kernel for head size {d}")

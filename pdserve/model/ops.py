@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ConfigError
-from pdserve.model import cpu_kernels, huge_pages, kv_format
+from pdserve.model import cpu_kernels, huge_pages
 from pdserve.model.attention import (
     AttentionMetadata,
     decode_attention_gathered,
@@ -293,12 +293,11 @@ class CpuKernelOps(TorchOps):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """With the bf16 library and a bf16 cache, every chunk reads its keys from the
-        cache (the step's K/V are already there) in the flash kernel (AMX tiles, or
-        AVX512-BF16 dot products: 1.8-3.5x SDPA a 2k chunk at 0-6k of context, a whole 8k
-        prompt 1.8x faster; docs/benchmarks.md); otherwise SDPA."""
-        ours = self.k.has_prefill_attention and not kv_format.is_quantized(kv_layer.dtype)
-        if not ours or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
+        """With the bf16 library, every chunk reads its keys from the cache (the step's
+        K/V are already there; an 8-bit cache's dequantized as they are read) in the flash
+        kernel (AMX tiles, or AVX512-BF16 dot products: 1.8-3.5x SDPA a 2k chunk at 0-6k of
+        context, a whole 8k prompt 1.8x faster; docs/benchmarks.md); otherwise SDPA."""
+        if not self.k.has_prefill_attention or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
             return super().prefill_attention(q, k, v, kv_layer, meta, scale, out)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens

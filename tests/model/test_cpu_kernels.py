@@ -239,18 +239,23 @@ def test_decode_attention_matches_gathered_sdpa(
 @pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 1, 256)])
 # The bf16 library's two ways of taking the products: AMX tiles, AVX512-BF16 dot products.
 @pytest.mark.parametrize("k", variant_params(["bf16", "bf16-amx"]), indirect=True)
+@pytest.mark.parametrize("int8", [False, True], ids=["kv-dense", "kv-int8"])
 def test_prefill_attention_matches_causal_sdpa(
-    k: Any, ctx: int, n: int, h: int, hkv: int, d: int
+    k: Any, ctx: int, n: int, h: int, hkv: int, d: int, int8: bool
 ) -> None:
     torch.manual_seed(ctx + n + d)
     bs, total = 16, ctx + n
     kv = _kv_cache(32, bs, hkv, d, BF16)
+    kv = kv_format.quantize(kv) if int8 else kv  # the 8-bit cache, dequantized as packed
     table = torch.from_numpy(np.random.default_rng(n).permutation(32)[: -(-total // bs)])
     q = torch.randn(n, h + 2 * hkv, d, dtype=BF16)[:, :h]  # strided rows, as in qkv
     out = torch.full((n, h, d), float("nan"), dtype=BF16)
     k.prefill_attention(q, kv, table, ctx, d**-0.5, out)
 
-    keys, values = (kv[table, i].reshape(-1, hkv, d)[:total].float() for i in (0, 1))
+    keys, values = (
+        kv_format.readable(kv[table, i], torch.float32).reshape(-1, hkv, d)[:total].float()
+        for i in (0, 1)
+    )
     mask = causal_mask_with_context(n, ctx, torch.device("cpu"))
     expected = F.scaled_dot_product_attention(
         q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

@@ -826,18 +826,28 @@ namespace {
 
 constexpr int64_t kKeyBlock = 64;
 
+// Head h of a cache row as bf16: the bf16 cache's values, or the 8-bit cache's values times
+// their scale rounded to bf16 (kv_format.dequantize's arithmetic, as SDPA's gather did).
+inline void head_values(const bf16* row, int64_t h, int64_t D, bf16* out) { memcpy(out, row + h * D, D * sizeof(bf16)); }
+inline void head_values(const int8_t* row, int64_t h, int64_t D, bf16* out) {
+  const int8_t* head = row + h * attn::Int8KV::head_stride(D);
+  const float scale = attn::Int8KV::scale(head, D);
+  for (int64_t d = 0; d < D; d++) out[d] = to_bf16(static_cast<float>(head[d]) * scale);
+}
+
 // Keys t0..t0+63 of kv head h into pk ([keys][D]) and pv ([D][keys_padded]); zeros past L.
-inline void pack_kv_block(const PagedSeq& seq, int64_t h, int64_t D, int64_t L, int64_t t0,
+template <typename Cache>
+inline void pack_kv_block(const paged::PagedSeq<Cache>& seq, int64_t h, int64_t D, int64_t L, int64_t t0,
                           int64_t keys_padded, bf16* pk, bf16* pv) {
+  alignas(64) bf16 v[256];
   for (int64_t t = t0; t < t0 + kKeyBlock; t++) {
     if (t >= L) {
       memset(pk + t * D, 0, D * sizeof(bf16));
       for (int64_t d = 0; d < D; d++) pv[d * keys_padded + t] = 0;
       continue;
     }
-    const bf16* k = seq.row(t) + h * D;
-    memcpy(pk + t * D, k, D * sizeof(bf16));
-    const bf16* v = k + seq.s_kv;
+    head_values(seq.row(t), h, D, pk + t * D);
+    head_values(seq.row(t) + seq.s_kv, h, D, v);
     for (int64_t d = 0; d < D; d++) pv[d * keys_padded + t] = v[d];
   }
 }
@@ -962,7 +972,7 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
 }
 
 template <typename Products>
-void prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
+void prefill_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t kv_format, int64_t s_block,
                        int64_t s_kv, int64_t s_tok, const int64_t* block_table,
                        int64_t block_size, int64_t n, int64_t ctx, bf16* out, int64_t H,
                        int64_t Hkv, int64_t D, float scale) {
@@ -972,14 +982,19 @@ void prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t 
   const int64_t keys_padded = key_blocks * kKeyBlock + 32, packed = keys_padded * D;
   std::vector<bf16> pk(Hkv * packed), pv(Hkv * packed);
   const int64_t q_blocks = (n + 15) / 16, G = H / Hkv;
-  const PagedSeq seq{kv, s_block, s_kv, s_tok, __builtin_ctzll(block_size), block_table};
+  const int shift = __builtin_ctzll(block_size);
+  const paged::PagedSeq<bf16> dense{static_cast<const bf16*>(kv), s_block, s_kv, s_tok, shift, block_table};
+  const paged::PagedSeq<int8_t> int8{static_cast<const int8_t*>(kv), s_block, s_kv, s_tok, shift, block_table};
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < Hkv * key_blocks; i++) {
       const int64_t h = i / key_blocks;
-      pack_kv_block(seq, h, D, L, (i % key_blocks) * kKeyBlock, keys_padded,
-                    pk.data() + h * packed, pv.data() + h * packed);
+      const int64_t t0 = (i % key_blocks) * kKeyBlock;
+      if (kv_format == paged::kKVInt8)
+        pack_kv_block(int8, h, D, L, t0, keys_padded, pk.data() + h * packed, pv.data() + h * packed);
+      else
+        pack_kv_block(dense, h, D, L, t0, keys_padded, pk.data() + h * packed, pv.data() + h * packed);
     }
     Products::begin();
     // Longest blocks (most keys) first, so the dynamic schedule ends evenly.
@@ -999,23 +1014,24 @@ void prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t 
 
 extern "C" {
 
-// q [n, q_stride] rows (head h at column h D), out [n, H D]; `amx`: on AMX tiles (the
+// q [n, q_stride] rows (head h at column h D), out [n, H D], the cache in a paged::KVFormat
+// (the 8-bit one dequantized as it is packed); `amx`: on AMX tiles (the
 // library must have them: pd_amx_init), else by AVX512-BF16 dot products. Returns 0, or
 // -1 for a head size other than 64, 128, 256.
-int pd_prefill_attention(const bf16* q, int64_t q_stride, const bf16* kv, int64_t s_block,
+int pd_prefill_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t kv_format, int64_t s_block,
                          int64_t s_kv, int64_t s_tok, const int64_t* block_table,
                          int64_t block_size, int64_t n, int64_t ctx, bf16* out, int64_t H,
                          int64_t Hkv, int64_t D, float scale, int64_t amx) {
   if (D != 64 && D != 128 && D != 256) return -1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx) {
-    prefill_attention<AmxProducts>(q, q_stride, kv, s_block, s_kv, s_tok, block_table, block_size, n, ctx, out, H, Hkv, D, scale);
+    prefill_attention<AmxProducts>(q, q_stride, kv, kv_format, s_block, s_kv, s_tok, block_table, block_size, n, ctx, out, H, Hkv, D, scale);
     return 0;
   }
 #else
   if (amx) return -1;
 #endif
-  prefill_attention<Bf16Products>(q, q_stride, kv, s_block, s_kv, s_tok, block_table, block_size, n, ctx, out, H, Hkv, D, scale);
+  prefill_attention<Bf16Products>(q, q_stride, kv, kv_format, s_block, s_kv, s_tok, block_table, block_size, n, ctx, out, H, Hkv, D, scale);
   return 0;
 }
 
