@@ -195,14 +195,15 @@ def test_rotary_write_kv_int8_stores_the_bytes_torch_ops_do(k: Any) -> None:
     [(9, 3, 64), (8, 8, 32), (12, 1, 32), (4, 1, 128), (16, 2, 128), (10, 2, 64), (2, 1, 256)],
 )
 @pytest.mark.parametrize("bs", [4, 16, 64])
-# Six sequences: a task per sequence; one: a task per (sequence, kv head).
-@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 200, 61], [133]])
+# Six sequences: a task per sequence; one: a task per (sequence, kv head); longer than
+# 1,024 keys (the bf16 library): parts of 1,024 over the threads, merged.
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 200, 61], [133], [2100, 1025, 40]])
 @pytest.mark.parametrize("int8", [False, True], ids=["kv-dense", "kv-int8"])
 def test_decode_attention_matches_gathered_sdpa(
     k: Any, h: int, hkv: int, d: int, bs: int, seq_lens: list[int], int8: bool
 ) -> None:
     torch.manual_seed(h * d)
-    num_blocks = 4 * 256 // bs
+    num_blocks = max(4 * 256, max(seq_lens)) // bs + 1
     kv = _kv_cache(num_blocks, bs, hkv, d, k.dtype)
     rng = np.random.default_rng(0)
     tables = [rng.permutation(num_blocks)[: -(-n // bs)] for n in seq_lens]

@@ -44,6 +44,10 @@ inline void store16(bf16* p, __m512 v) {  // round to nearest even
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// 16 floats out as bf16 (a final output) or as they are (a part of a split sequence).
+inline void put16(bf16* p, __m512 v) { store16(p, v); }
+inline void put16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
 inline float to_f32(bf16 v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
   float f;
@@ -343,13 +347,15 @@ void score_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int6
 }
 
 // Pass 2: s[t] = exp(s[t] - max) for t < L; returns 1 / their sum.
-inline float exp_row(float* s, int64_t L) {
+inline float exp_row(float* s, int64_t L, float* max_out = nullptr) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
     vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(s + t));
   }
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const float top = _mm512_reduce_max_ps(vmax);
+  if (max_out) *max_out = top;
+  const __m512 mx = _mm512_set1_ps(top);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 m = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
@@ -364,9 +370,9 @@ inline float exp_row(float* s, int64_t L) {
 // load of 32 bf16 values widens to fp32 in two ALU ops without shuffles: the even elements
 // shifted up 16 bits, the odd ones with the low 16 bits masked off (accumulated apart,
 // interleaved back once at the end).
-template <int D, int NG>
+template <int D, int NG, typename O>
 void accumulate_values(const float* p, int64_t ls, const float* inv, const PagedSeq& seq,
-                       int64_t L, int64_t hk, bf16* out, int64_t prefetch_bytes,
+                       int64_t L, int64_t hk, O* out, int64_t prefetch_bytes,
                        int64_t hk0) {
   constexpr int kPairs = D / 32;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -397,22 +403,28 @@ void accumulate_values(const float* p, int64_t ls, const float* inv, const Paged
     const __m512 sc = _mm512_set1_ps(inv[g]);
     for (int c = 0; c < kPairs; c++) {
       const __m512 e = _mm512_mul_ps(even[g][c], sc), o = _mm512_mul_ps(odd[g][c], sc);
-      store16(out + g * D + 32 * c, _mm512_permutex2var_ps(e, lo, o));
-      store16(out + g * D + 32 * c + 16, _mm512_permutex2var_ps(e, hi, o));
+      put16(out + g * D + 32 * c, _mm512_permutex2var_ps(e, lo, o));
+      put16(out + g * D + 32 * c + 16, _mm512_permutex2var_ps(e, hi, o));
     }
   }
 }
 
-template <int D>
+// One task: kv heads hk0.. of a sequence over its first L keys; out [H, D] of the sequence
+// (bf16, or floats for a part: then lse [H] gets each query head's log-sum-exp).
+template <int D, typename O>
 void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk,
-                 int64_t G, float scale, std::vector<float>& scratch, bf16* out) {
+                 int64_t G, float scale, std::vector<float>& scratch, O* out, float* lse) {
   const int64_t ls = (L + 15) / 16 * 16;
   const int64_t rows = nhk * G;
   if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
   float* s = scratch.data();
   float* inv = s + rows * ls;
   score_task<D>(q, seq, L, hk0, nhk, G, scale, s, ls);
-  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L);
+  for (int64_t r = 0; r < rows; r++) {
+    float top;
+    inv[r] = exp_row(s + r * ls, L, &top);
+    if (lse) lse[hk0 * G + r] = top - logf(inv[r]);
+  }
   constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
   for (int64_t h = 0; h < nhk; h++) {
     const int64_t hk = hk0 + h;
@@ -420,7 +432,7 @@ void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int
       const int64_t n = G - g0 < kMaxHeads ? G - g0 : kMaxHeads;
       const int64_t r = h * G + g0;
       const int64_t pf = h == 0 && g0 == 0 ? nhk * D * 2 : 0;  // first pass prefetches
-      bf16* o = out + (hk * G + g0) * D;
+      O* o = out + (hk * G + g0) * D;
       switch (n) {
         case 1: accumulate_values<D, 1>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
         case 2: accumulate_values<D, 2>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
@@ -445,9 +457,10 @@ inline void with_count(int64_t n, F&& f) {
 
 // One task of decode attention over the 8-bit cache by integer dot products
 // (attention_int8.h): the task's query heads split once, then the three passes per kv head.
-template <int D>
+template <int D, typename O>
 void attend_task_int8(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t L, int64_t hk0,
-                      int64_t nhk, int64_t G, float scale, std::vector<float>& scratch, bf16* out) {
+                      int64_t nhk, int64_t G, float scale, std::vector<float>& scratch, O* out,
+                      float* lse) {
   constexpr int64_t kHeadBytes = D + 4;  // D values and the float32 scale
   const int64_t ls = (L + 15) / 16 * 16, rows = nhk * G;
   if (static_cast<int64_t>(scratch.size()) < rows * (ls + 1)) scratch.resize(rows * (ls + 1));
@@ -466,17 +479,21 @@ void attend_task_int8(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t
       });
     }
   }
-  for (int64_t r = 0; r < rows; r++) inv[r] = exp_row(s + r * ls, L);
+  for (int64_t r = 0; r < rows; r++) {
+    float top;
+    inv[r] = exp_row(s + r * ls, L, &top);
+    if (lse) lse[hk0 * G + r] = top - logf(inv[r]);
+  }
   constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
   for (int64_t h = 0; h < nhk; h++) {
     const int64_t hk = hk0 + h;
     for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
       const int64_t r = h * G + g0, pf = h == 0 && g0 == 0 ? task_bytes : 0;
-      bf16* o = out + (hk * G + g0) * D;
+      O* o = out + (hk * G + g0) * D;
       with_count<kMaxHeads>(std::min<int64_t>(kMaxHeads, G - g0), [&](auto count) {
         attn_i8::accumulate_heads<D, decltype(count)::value>(
             s + r * ls, ls, inv + r, seq, L, hk * kHeadBytes, pf, at, [&](int g, const float* v) {
-              for (int d = 0; d < D; d += 16) store16(o + g * D + d, _mm512_loadu_ps(v + d));
+              for (int d = 0; d < D; d += 16) put16(o + g * D + d, _mm512_loadu_ps(v + d));
             });
       });
     }
@@ -513,15 +530,25 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t
                         const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
                         int64_t Hkv, int64_t D, int64_t block_size, float scale) {
   const int64_t G = H / Hkv;
+  // Stores head `head` of sequence b's output from a split sequence's merged floats.
+  auto store = [&](int64_t b, int64_t head, const float* o) {
+    for (int64_t d = 0; d < D; d += 16) store16(out + (b * H + head) * D + d, _mm512_loadu_ps(o + d));
+  };
   if (kv_format == paged::kKVInt8 && block_size >= attn_i8::kMinBlock) {
     const int8_t* cache = static_cast<const int8_t*>(kv);
     return paged::with_head_size(D, [&](auto head_size) {
       constexpr int kD = decltype(head_size)::value;
-      paged::for_each_decode_task(
-          cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
-          [&](int64_t b, const paged::PagedSeq<int8_t>& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
-            attend_task_int8<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch, out + b * H * D);
-          });
+      paged::for_each_decode_part(
+          cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
+          [&](int64_t b, const paged::PagedSeq<int8_t>& seq, int64_t L, int64_t hk0, int64_t nhk,
+              std::vector<float>& scratch, float* part, float* lse) {
+            if (part)
+              attend_task_int8<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, part, lse);
+            else
+              attend_task_int8<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D,
+                                   static_cast<float*>(nullptr));
+          },
+          store);
     });
   }
   if (kv_format == paged::kKVInt8)  // blocks of fewer than 16 tokens
@@ -531,12 +558,17 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t
   const bf16* cache = static_cast<const bf16*>(kv);
   return paged::with_head_size(D, [&](auto head_size) {
     constexpr int kD = decltype(head_size)::value;
-    paged::for_each_decode_task(
-        cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
-        [&](int64_t b, const PagedSeq& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
-          attend_task<kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
-                          out + b * H * D);
-        });
+    paged::for_each_decode_part(
+        cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
+        [&](int64_t b, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk, std::vector<float>& scratch,
+            float* part, float* lse) {
+          if (part)
+            attend_task<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, part, lse);
+          else
+            attend_task<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D,
+                            static_cast<float*>(nullptr));
+        },
+        store);
   });
 }
 

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
@@ -83,6 +84,79 @@ void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
       const PagedSeq<T> seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
       attend(b, seq, (task % tasks_per_seq) * heads_per_task, heads_per_task, scratch);
     }
+  }
+}
+
+// Keys per task of a long sequence: a multiple of every block size (CacheConfig: <= 128).
+constexpr int64_t kSplitTokens = 1024;
+
+// Decode attention's tasks with long sequences split over the threads. A sequence of at
+// most kSplitTokens keys is handed out as for_each_decode_task does; a longer one in parts
+// of kSplitTokens keys, each a task of all its kv heads (whole cache rows, in order), whose
+// outputs (normalized over the part) and log-sum-exps go to float scratch and are merged
+// after: out = sum_p exp(lse_p - lse) o_p. At batch 1 one task per kv head left a thread
+// idle for a third of the time (3 kv heads on 2 threads) and read each row a head at a time.
+// The parts depend only on the sequence's length, so a row's result does not depend on its
+// batch (--batch-invariant).
+// - attend(b, seq, L, hk0, nhk, scratch, part_out, part_lse): kv heads hk0.. of sequence b
+//   over seq's first L keys; part_out null: the final output, else [H, D] floats and [H]
+//   log-sum-exps of the part (all heads);
+// - store(b, head, o): head `head` of sequence b's output from the merged floats o[D].
+template <typename T, typename Attend, typename Store>
+void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                          const int64_t* block_tables, int64_t max_blocks,
+                          const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          int64_t block_size, Attend attend, Store store) {
+  struct Task {
+    int64_t b, t0, len, hk0, nhk, part;  // part: its slot in the scratch, or -1
+  };
+  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+  const int shift = __builtin_ctzll(block_size);
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_part(B, -1), num_parts(B, 0);
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t L = seq_lens[b];
+    if (L > kSplitTokens) {
+      first_part[b] = parts;
+      for (int64_t t0 = 0; t0 < L; t0 += kSplitTokens, num_parts[b]++)
+        tasks.push_back({b, t0, std::min(kSplitTokens, L - t0), 0, Hkv, parts++});
+    } else {
+      for (int64_t hk0 = 0; hk0 < Hkv; hk0 += heads_per_task) tasks.push_back({b, 0, L, hk0, heads_per_task, -1});
+    }
+  }
+  // Longest first: a task's time is about its length (see for_each_decode_task).
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& c) { return a.len > c.len; });
+  std::vector<float> partial(parts * H * (D + 1));
+  float* part_lse = partial.data() + parts * H * D;
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); i++) {
+      const Task& t = tasks[i];
+      const PagedSeq<T> seq{kv, s_block, s_kv, s_tok, shift, block_tables + t.b * max_blocks + (t.t0 >> shift)};
+      attend(t.b, seq, t.len, t.hk0, t.nhk, scratch, t.part < 0 ? nullptr : partial.data() + t.part * H * D,
+             t.part < 0 ? nullptr : part_lse + t.part * H);
+    }
+  }
+  if (!parts) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < B * H; i++) {
+    const int64_t b = i / H, head = i % H;
+    if (!num_parts[b]) continue;
+    float top = -INFINITY;
+    for (int64_t p = 0; p < num_parts[b]; p++) top = std::max(top, part_lse[(first_part[b] + p) * H + head]);
+    std::vector<float> o(D, 0.0f);
+    float total = 0.0f;
+    for (int64_t p = 0; p < num_parts[b]; p++) {
+      const float w = expf(part_lse[(first_part[b] + p) * H + head] - top);
+      const float* op = partial.data() + ((first_part[b] + p) * H + head) * D;
+      for (int64_t d = 0; d < D; d++) o[d] += w * op[d];
+      total += w;
+    }
+    for (int64_t d = 0; d < D; d++) o[d] /= total;
+    store(b, head, o.data());
   }
 }
 
