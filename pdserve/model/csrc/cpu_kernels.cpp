@@ -366,6 +366,28 @@ inline float exp_row(float* s, int64_t L, float* max_out = nullptr) {
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
+// Pass 2 for a task's rows: inv[r] = 1 / row r's sum; lse, for a part of a split sequence,
+// gets each row's log-sum-exp.
+inline void exp_rows(float* s, int64_t ls, int64_t rows, int64_t L, float* inv, float* lse) {
+  for (int64_t r = 0; r < rows; r++) {
+    float top;
+    inv[r] = exp_row(s + r * ls, L, &top);
+    if (lse) lse[r] = top - logf(inv[r]);
+  }
+}
+
+// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= kMax.
+template <int kMax, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) {
+      with_count<kMax - 1>(n, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
 // Pass 3 for NG query heads of kv head hk: out_g = inv_g * sum_t p_g[t] v_t. A 64-byte
 // load of 32 bf16 values widens to fp32 in two ALU ops without shuffles: the even elements
 // shifted up 16 bits, the odd ones with the low 16 bits masked off (accumulated apart,
@@ -420,39 +442,19 @@ void attend_task(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int
   float* s = scratch.data();
   float* inv = s + rows * ls;
   score_task<D>(q, seq, L, hk0, nhk, G, scale, s, ls);
-  for (int64_t r = 0; r < rows; r++) {
-    float top;
-    inv[r] = exp_row(s + r * ls, L, &top);
-    if (lse) lse[hk0 * G + r] = top - logf(inv[r]);
-  }
+  exp_rows(s, ls, rows, L, inv, lse ? lse + hk0 * G : nullptr);
   constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
   for (int64_t h = 0; h < nhk; h++) {
     const int64_t hk = hk0 + h;
     for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
-      const int64_t n = G - g0 < kMaxHeads ? G - g0 : kMaxHeads;
       const int64_t r = h * G + g0;
       const int64_t pf = h == 0 && g0 == 0 ? nhk * D * 2 : 0;  // first pass prefetches
       O* o = out + (hk * G + g0) * D;
-      switch (n) {
-        case 1: accumulate_values<D, 1>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
-        case 2: accumulate_values<D, 2>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
-        case 3: accumulate_values<D, 3>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0); break;
-        default: accumulate_values<D, kMaxHeads>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0);
-      }
+      with_count<kMaxHeads>(std::min<int64_t>(kMaxHeads, G - g0), [&](auto count) {
+        accumulate_values<D, decltype(count)::value>(s + r * ls, ls, inv + r, seq, L, hk, o, pf, hk0);
+      });
     }
   }
-}
-
-// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= kMax.
-template <int kMax, typename F>
-inline void with_count(int64_t n, F&& f) {
-  if constexpr (kMax > 1) {
-    if (n < kMax) {
-      with_count<kMax - 1>(n, f);
-      return;
-    }
-  }
-  f(std::integral_constant<int, kMax>{});
 }
 
 // One task of decode attention over the 8-bit cache by integer dot products
@@ -479,11 +481,7 @@ void attend_task_int8(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t
       });
     }
   }
-  for (int64_t r = 0; r < rows; r++) {
-    float top;
-    inv[r] = exp_row(s + r * ls, L, &top);
-    if (lse) lse[hk0 * G + r] = top - logf(inv[r]);
-  }
+  exp_rows(s, ls, rows, L, inv, lse ? lse + hk0 * G : nullptr);
   constexpr int kMaxHeads = D <= 64 ? 4 : D == 128 ? 2 : 1;  // <= 16 accumulators
   for (int64_t h = 0; h < nhk; h++) {
     const int64_t hk = hk0 + h;
@@ -498,6 +496,52 @@ void attend_task_int8(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t
       });
     }
   }
+}
+
+// A task's kernel for each cache: the bf16 cache's attend_task, the 8-bit one's
+// attend_task_int8 (attention_int8.h).
+struct Bf16Attend {
+  using Cache = bf16;
+  template <int D, typename O>
+  static void run(const bf16* q, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk, int64_t G,
+                  float scale, std::vector<float>& scratch, O* out, float* lse) {
+    attend_task<D>(q, seq, L, hk0, nhk, G, scale, scratch, out, lse);
+  }
+};
+
+struct Int8Attend {
+  using Cache = int8_t;
+  template <int D, typename O>
+  static void run(const bf16* q, const paged::PagedSeq<int8_t>& seq, int64_t L, int64_t hk0, int64_t nhk,
+                  int64_t G, float scale, std::vector<float>& scratch, O* out, float* lse) {
+    attend_task_int8<D>(q, seq, L, hk0, nhk, G, scale, scratch, out, lse);
+  }
+};
+
+// Decode attention over the paged cache by Attend's tasks, long sequences split over the
+// threads and merged (paged_decode.h); 0, or -1 for a head size without a specialisation.
+template <typename Attend>
+int decode_attention_paged(const bf16* q, int64_t q_stride, const typename Attend::Cache* cache,
+                           int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
+                           int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
+                           int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+  const int64_t G = H / Hkv;
+  return paged::with_head_size(D, [&](auto head_size) {
+    constexpr int kD = decltype(head_size)::value;
+    paged::for_each_decode_part(
+        cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
+        [&](int64_t b, const paged::PagedSeq<typename Attend::Cache>& seq, int64_t L, int64_t hk0, int64_t nhk,
+            std::vector<float>& scratch, float* part, float* lse) {
+          if (part)
+            Attend::template run<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, part, lse);
+          else
+            Attend::template run<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D,
+                                     static_cast<float*>(nullptr));
+        },
+        [&](int64_t b, int64_t head, const float* o) {  // a split sequence's merged head
+          for (int64_t d = 0; d < D; d += 16) store16(out + (b * H + head) * D + d, _mm512_loadu_ps(o + d));
+        });
+  });
 }
 
 }  // namespace
@@ -529,47 +573,17 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t
                         const int64_t* block_tables, int64_t max_blocks,
                         const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
                         int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-  const int64_t G = H / Hkv;
-  // Stores head `head` of sequence b's output from a split sequence's merged floats.
-  auto store = [&](int64_t b, int64_t head, const float* o) {
-    for (int64_t d = 0; d < D; d += 16) store16(out + (b * H + head) * D + d, _mm512_loadu_ps(o + d));
-  };
-  if (kv_format == paged::kKVInt8 && block_size >= attn_i8::kMinBlock) {
-    const int8_t* cache = static_cast<const int8_t*>(kv);
-    return paged::with_head_size(D, [&](auto head_size) {
-      constexpr int kD = decltype(head_size)::value;
-      paged::for_each_decode_part(
-          cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
-          [&](int64_t b, const paged::PagedSeq<int8_t>& seq, int64_t L, int64_t hk0, int64_t nhk,
-              std::vector<float>& scratch, float* part, float* lse) {
-            if (part)
-              attend_task_int8<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, part, lse);
-            else
-              attend_task_int8<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D,
-                                   static_cast<float*>(nullptr));
-          },
-          store);
-    });
-  }
+  if (kv_format == paged::kKVInt8 && block_size >= attn_i8::kMinBlock)
+    return decode_attention_paged<Int8Attend>(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv, s_tok,
+                                              block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
+                                              block_size, scale);
   if (kv_format == paged::kKVInt8)  // blocks of fewer than 16 tokens
     return decode_attention_int8(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv,
                                  s_tok, block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
                                  block_size, scale);
-  const bf16* cache = static_cast<const bf16*>(kv);
-  return paged::with_head_size(D, [&](auto head_size) {
-    constexpr int kD = decltype(head_size)::value;
-    paged::for_each_decode_part(
-        cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
-        [&](int64_t b, const PagedSeq& seq, int64_t L, int64_t hk0, int64_t nhk, std::vector<float>& scratch,
-            float* part, float* lse) {
-          if (part)
-            attend_task<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, part, lse);
-          else
-            attend_task<kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D,
-                            static_cast<float*>(nullptr));
-        },
-        store);
-  });
+  return decode_attention_paged<Bf16Attend>(q, q_stride, static_cast<const bf16*>(kv), s_block, s_kv, s_tok,
+                                            block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
+                                            block_size, scale);
 }
 
 // Every layer of a decode-only step in one call (paged_decode.h). A layer table's packed
