@@ -56,16 +56,21 @@ class KVCacheManager:
     def _num_needed(
         self, request_id: str, num_total_tokens: int, cached_prefix: Sequence[KVBlock]
     ) -> int:
+        """New blocks from the pool that `num_total_tokens` need (0 if held already)."""
         held = self._blocks.get(request_id, [])
-        return -(-num_total_tokens // self.block_size) - len(held) - len(cached_prefix)
+        return max(-(-num_total_tokens // self.block_size) - len(held) - len(cached_prefix), 0)
+
+    def _fits(self, num_needed: int, cached_prefix: Sequence[KVBlock]) -> bool:
+        reserved = self.pool.num_evictable_among(cached_prefix)
+        return num_needed <= self.pool.num_free_blocks - reserved
 
     def can_allocate(
         self, request_id: str, num_total_tokens: int, cached_prefix: Sequence[KVBlock] = ()
     ) -> bool:
         """Whether `allocate` with these arguments would succeed now."""
-        num_needed = self._num_needed(request_id, num_total_tokens, cached_prefix)
-        reserved = self.pool.num_evictable_among(cached_prefix)
-        return max(num_needed, 0) <= self.pool.num_free_blocks - reserved
+        return self._fits(
+            self._num_needed(request_id, num_total_tokens, cached_prefix), cached_prefix
+        )
 
     def allocate(
         self,
@@ -78,10 +83,10 @@ class KVCacheManager:
         `cached_prefix` (first allocation only) are prefix-cache hits to share.
         """
         num_needed = self._num_needed(request_id, num_total_tokens, cached_prefix)
-        if not self.can_allocate(request_id, num_total_tokens, cached_prefix):
+        if not self._fits(num_needed, cached_prefix):
             return False
         self.pool.touch(cached_prefix)
-        new_blocks = [*cached_prefix, *self.pool.allocate(max(num_needed, 0))]
+        new_blocks = [*cached_prefix, *self.pool.allocate(num_needed)]
         self._blocks.setdefault(request_id, []).extend(new_blocks)
         return True
 

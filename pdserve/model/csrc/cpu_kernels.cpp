@@ -530,6 +530,7 @@ int decode_attention_paged(const bf16* q, int64_t q_stride, const typename Atten
     constexpr int kD = decltype(head_size)::value;
     paged::for_each_decode_part(
         cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
+        paged::kSplitTokens,
         [&](int64_t b, const paged::PagedSeq<typename Attend::Cache>& seq, int64_t L, int64_t hk0, int64_t nhk,
             std::vector<float>& scratch, float* part, float* lse) {
           if (part)
@@ -951,7 +952,7 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
   alignas(64) bf16 qt[8 * 512];         // Q^T as B tiles: [D/32][16 dim pairs][16 queries][2]
   alignas(64) float st[kKeyBlock * 16];  // S^T: [key][query]
   alignas(64) bf16 pt[2 * 512];         // P^T as B tiles: [32 keys][16 key pairs][16][2]
-  alignas(64) bf16 pt_lo[2 * 512];
+  alignas(64) bf16 pt_lo[2 * 512];      // what rounding P^T to pt left, in pt's layout
   alignas(64) float ot[256 * 16];        // O^T: [D][query]
   uint32_t* qt32 = reinterpret_cast<uint32_t*>(qt);
   for (int64_t c = 0; c < 16; c++) {

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -55,58 +56,32 @@ int with_head_size(int64_t D, F f) {
   }
 }
 
-// Decode attention's tasks: attend(b, seq, hk0, nhk, scratch) for sequence b's kv heads
-// hk0..hk0+nhk-1, on the process's OpenMP threads.
-// - A task takes all of a sequence's kv heads when there are enough sequences to keep every
-//   thread busy: a cache row holds all heads, so the sequence's KV then streams from memory
-//   once and in order. With few sequences (batch 1), a task is one (sequence, kv head).
-// - Longest sequences first: a task's time is about its length, and handing the long ones
-//   out last can leave one thread finishing a long sequence while the other idles (12
-//   sequences of mixed lengths: 1.10x from this order alone, bf16; output unchanged).
-template <typename T, typename Attend>
-void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
-                          const int64_t* block_tables, int64_t max_blocks,
-                          const int64_t* seq_lens, int64_t B, int64_t Hkv, int64_t block_size,
-                          Attend attend) {
-  const int64_t heads_per_task = B >= 2 * omp_get_max_threads() ? Hkv : 1;
-  const int64_t tasks_per_seq = Hkv / heads_per_task;
-  const int shift = __builtin_ctzll(block_size);
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; b++) order[b] = b;
-  std::stable_sort(order.begin(), order.end(),
-                   [seq_lens](int64_t a, int64_t c) { return seq_lens[a] > seq_lens[c]; });
-#pragma omp parallel
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * tasks_per_seq; task++) {
-      const int64_t b = order[task / tasks_per_seq];
-      const PagedSeq<T> seq{kv, s_block, s_kv, s_tok, shift, block_tables + b * max_blocks};
-      attend(b, seq, (task % tasks_per_seq) * heads_per_task, heads_per_task, scratch);
-    }
-  }
-}
-
 // Keys per task of a long sequence: a multiple of every block size (CacheConfig: <= 128).
 constexpr int64_t kSplitTokens = 1024;
 
-// Decode attention's tasks with long sequences split over the threads. A sequence of at
-// most kSplitTokens keys is handed out as for_each_decode_task does; a longer one in parts
-// of kSplitTokens keys, each a task of all its kv heads (whole cache rows, in order), whose
-// outputs (normalized over the part) and log-sum-exps go to float scratch and are merged
-// after: out = sum_p exp(lse_p - lse) o_p. At batch 1 one task per kv head left a thread
-// idle for a third of the time (3 kv heads on 2 threads) and read each row a head at a time.
-// The parts depend only on the sequence's length, so a row's result does not depend on its
-// batch (--batch-invariant).
-// - attend(b, seq, L, hk0, nhk, scratch, part_out, part_lse): kv heads hk0.. of sequence b
-//   over seq's first L keys; part_out null: the final output, else [H, D] floats and [H]
-//   log-sum-exps of the part (all heads);
-// - store(b, head, o): head `head` of sequence b's output from the merged floats o[D].
+// Decode attention's tasks, on the process's OpenMP threads.
+// - A task takes all of a sequence's kv heads when there are enough sequences to keep every
+//   thread busy: a cache row holds all heads, so the sequence's KV then streams from memory
+//   once and in order. With few sequences (batch 1), a task is one (sequence, kv head).
+// - A sequence longer than `split_tokens` keys goes in parts of that many keys instead, each
+//   a task of all its kv heads (whole cache rows, in order), whose outputs (normalized over
+//   the part) and log-sum-exps go to float scratch and are merged after:
+//   out = sum_p exp(lse_p - lse) o_p. At batch 1 one task per kv head left a thread idle for
+//   a third of the time (3 kv heads on 2 threads) and read each row a head at a time. The
+//   parts depend only on the sequence's length, so a row's result does not depend on its
+//   batch (--batch-invariant).
+// - Longest tasks first: a task's time is about its length, and handing the long ones out
+//   last can leave one thread finishing a long sequence while the other idles (12
+//   sequences of mixed lengths: 1.10x from this order alone, bf16; output unchanged).
+// attend(b, seq, L, hk0, nhk, scratch, part_out, part_lse): kv heads hk0.. of sequence b over
+// seq's first L keys; part_out null: the final output, else [H, D] floats and [H]
+// log-sum-exps of the part (all heads). store(b, head, o): head `head` of sequence b's
+// output from the merged floats o[D] (D <= 256).
 template <typename T, typename Attend, typename Store>
 void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
                           const int64_t* block_tables, int64_t max_blocks,
                           const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          int64_t block_size, Attend attend, Store store) {
+                          int64_t block_size, int64_t split_tokens, Attend attend, Store store) {
   struct Task {
     int64_t b, t0, len, hk0, nhk, part;  // part: its slot in the scratch, or -1
   };
@@ -117,15 +92,14 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
   int64_t parts = 0;
   for (int64_t b = 0; b < B; b++) {
     const int64_t L = seq_lens[b];
-    if (L > kSplitTokens) {
+    if (L > split_tokens) {
       first_part[b] = parts;
-      for (int64_t t0 = 0; t0 < L; t0 += kSplitTokens, num_parts[b]++)
-        tasks.push_back({b, t0, std::min(kSplitTokens, L - t0), 0, Hkv, parts++});
+      for (int64_t t0 = 0; t0 < L; t0 += split_tokens, num_parts[b]++)
+        tasks.push_back({b, t0, std::min(split_tokens, L - t0), 0, Hkv, parts++});
     } else {
       for (int64_t hk0 = 0; hk0 < Hkv; hk0 += heads_per_task) tasks.push_back({b, 0, L, hk0, heads_per_task, -1});
     }
   }
-  // Longest first: a task's time is about its length (see for_each_decode_task).
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& c) { return a.len > c.len; });
   std::vector<float> partial(parts * H * (D + 1));
   float* part_lse = partial.data() + parts * H * D;
@@ -147,7 +121,7 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
     if (!num_parts[b]) continue;
     float top = -INFINITY;
     for (int64_t p = 0; p < num_parts[b]; p++) top = std::max(top, part_lse[(first_part[b] + p) * H + head]);
-    std::vector<float> o(D, 0.0f);
+    float o[256] = {};
     float total = 0.0f;
     for (int64_t p = 0; p < num_parts[b]; p++) {
       const float w = expf(part_lse[(first_part[b] + p) * H + head] - top);
@@ -156,8 +130,23 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
       total += w;
     }
     for (int64_t d = 0; d < D; d++) o[d] /= total;
-    store(b, head, o.data());
+    store(b, head, o);
   }
+}
+
+// The tasks above without splitting (the float32 library's kernels have no parts):
+// attend(b, seq, hk0, nhk, scratch) for sequence b's kv heads hk0..hk0+nhk-1 over all its keys.
+template <typename T, typename Attend>
+void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
+                          const int64_t* block_tables, int64_t max_blocks,
+                          const int64_t* seq_lens, int64_t B, int64_t Hkv, int64_t block_size,
+                          Attend attend) {
+  for_each_decode_part(
+      kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, 0, Hkv, 0, block_size,
+      std::numeric_limits<int64_t>::max(),
+      [&](int64_t b, const PagedSeq<T>& seq, int64_t, int64_t hk0, int64_t nhk, std::vector<float>& scratch,
+          float*, float*) { attend(b, seq, hk0, nhk, scratch); },
+      [](int64_t, int64_t, const float*) {});
 }
 
 // ---------------------------------------------------------------------------------------
