@@ -468,8 +468,16 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
   }
 }
 
-// x [M, K] split as above: per row m and 32-weight block b, bytes [64 i, 64 i + 32) of `q`
-// (i = m K / 32 + b) are x1, the next 32 x2; scale[i] = s / 256 (sum(q x) = scale *
+inline int64_t split_row_bytes(int64_t K) { return 128 * ((K / kBlock + 1) / 2); }
+
+// Where block b of row m of x starts in split_x's bytes: blocks go in pairs, 128 bytes a
+// pair (x1 of both, then x2 of both), so that one 512-bit load takes two blocks' x1.
+inline int64_t split_offset(int64_t m, int64_t b, int64_t K) {
+  return m * split_row_bytes(K) + 128 * (b / 2) + 32 * (b % 2);
+}
+
+// x [M, K] split as above: per row m and 32-weight block b, the 32 bytes at
+// split_offset(m, b) are x1 and the 32 at 64 past them x2 (i = m K / 32 + b below); scale[i] = s / 256 (sum(q x) = scale *
 // (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16] and sum32 [M, K / 32] the sums of x
 // over each 16 and 32 weights (the K-quants' offsets take halves, the others blocks).
 inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum16, float* sum32) {
@@ -485,9 +493,10 @@ inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* s
     uint32_t bits;
     memcpy(&bits, &amax, 4);
     const int e = static_cast<int>(bits >> 23);  // amax's biased exponent
-    int8_t* out = q + 64 * i;
+    int8_t* out = q + split_offset(i / (K / kBlock), i % (K / kBlock), K);
     if (e < 6 || e > 250) {  // below 2^-121 (or not finite): the block counts as zeros
-      memset(out, 0, 64);
+      memset(out, 0, 32);
+      memset(out + 64, 0, 32);
       scale[i] = sum16[2 * i] = sum16[2 * i + 1] = sum32[i] = 0.0f;
       continue;
     }
@@ -506,7 +515,7 @@ inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* s
       // the sum of x as kept (exact: 16 multiples of 2^-8 below 66)
       sum16[2 * i + h] = s * _mm512_reduce_add_ps(_mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 256), t1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t1)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t2)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t2)));
     }
     sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
   }
@@ -566,32 +575,30 @@ inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
   }
 }
 
-// y[m, n] for MT rows of x split by split_x: per row of W, each step's q dotted with every
-// row of x. Two accumulator chains a row: a step's FMA waits on the last but one.
+// y[m, n] for MT rows of x split by split_x: per row of W, two blocks a step (512 bits:
+// block 2p's 32 q in bytes 0-31, 2p + 1's in 32-63, against both blocks' x in one load),
+// each step dotted with every row of x. A 32-weight format's odd last block takes a 256-bit
+// step. Two accumulator chains a row: a step's FMA waits on the last but one.
 template <int64_t kType, int MT, typename Y>
 void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32,
                    const uint8_t* w,
                    const uint16_t* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
+  // lanes 0-7 take scale j, 8-15 scale j + 1 (Q6_K: 4-lane quarters, scales 2j..2j + 3)
+  const __m512i pair_lanes = kType == kQ6_K ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes(kType, K);
-    __m256 acc[MT][2];
+    __m512 acc[MT][2];
     __m512 off[MT];  // c against the sums of x
-    for (int m = 0; m < MT; m++) {
-      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      off[m] = _mm512_setzero_ps();
-    }
-    // block b's 32 q against row m of x, times `scale` (a times x's scale; lanes 0-3:
-    // weights 0-15, lanes 4-7: 16-31)
-    auto dot = [&](int m, int64_t b, __m256i q, __m256 scale) {
-      const __m256i* xp = reinterpret_cast<const __m256i*>(xq + 64 * (m * nb + b));
-      const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256(xp));
-      const __m256i d = _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), q, _mm256_loadu_si256(xp + 1));
-      acc[m][b % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m][b % 2]);
-    };
-    auto step = [&](int64_t b, __m256i q, __m256 av) {
-      for (int m = 0; m < MT; m++) dot(m, b, q, _mm256_mul_ps(av, _mm256_set1_ps(xscale[m * nb + b])));
+    for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = off[m] = _mm512_setzero_ps();
+    // blocks b, b + 1 (b even) against row m of x, lane i times scale[i] (a times x's scale)
+    auto dot2 = [&](int m, int64_t b, __m512i q, __m512 scale) {
+      const int8_t* xp = xq + split_offset(m, b, K);
+      const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xp));
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), q, _mm512_loadu_si512(xp + 64));
+      acc[m][b / 2 % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m][b / 2 % 2]);
     };
     if constexpr (is_k_quant(kType)) {
       for (int64_t sb = 0; sb < nb / 8; sb++) {
@@ -601,9 +608,18 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
         const __m512 cv = k_scales16<kType>(blk, a);
         __m256i q[8];
         k_quants32<kType>(blk, q);
-        for (int j = 0; j < 8; j++)
-          step(8 * sb + j, q[j], kType == kQ6_K ? _mm256_set_m128(_mm_broadcast_ss(a + 2 * j + 1), _mm_broadcast_ss(a + 2 * j))
-                                                : _mm256_broadcast_ss(a + j));
+        __m512 ax[MT];  // a times x's scale: a sub-block's (Q6_K: a half's) in lane j
+        for (int m = 0; m < MT; m++) {
+          const __m256 xs = _mm256_loadu_ps(xscale + m * nb + 8 * sb);
+          ax[m] = kType == kQ6_K
+              ? _mm512_mul_ps(_mm512_load_ps(a), _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), _mm512_castps256_ps512(xs)))
+              : _mm512_castps256_ps512(_mm256_mul_ps(_mm256_load_ps(a), xs));
+        }
+        for (int j = 0; j < 8; j += 2) {
+          const __m512i qp = _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1);
+          const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(kType == kQ6_K ? 2 * j : j));
+          for (int m = 0; m < MT; m++) dot2(m, 8 * sb + j, qp, _mm512_permutexvar_ps(lanes, ax[m]));
+        }
         for (int m = 0; m < MT; m++) off[m] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xsum + m * (K / 16) + sb * 16), off[m]);
       }
     } else {
@@ -615,21 +631,28 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
         const __mmask8 live = static_cast<__mmask8>((1u << group) - 1);
         __m256 a, c;
         block_scales8<kType>(blk, live, &a, &c);
-        alignas(32) float scaled[MT][8];  // a times x's scale, for each row of x
+        __m512 ax[MT];  // a times x's scale, block j's in lane j
         for (int m = 0; m < MT; m++) {
           const int64_t i = m * nb + b0;
-          _mm256_store_ps(scaled[m], _mm256_mul_ps(a, _mm256_maskz_loadu_ps(live, xscale + i)));
+          ax[m] = _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_maskz_loadu_ps(live, xscale + i)));
           off[m] = _mm512_add_ps(off[m], _mm512_zextps256_ps512(_mm256_mul_ps(c, _mm256_maskz_loadu_ps(live, xsum32 + i))));
         }
-        for (int j = 0; j < group; j++) {
-          const __m256i q = block_u8<kType>(blk + j * block_bytes(kType));
-          for (int m = 0; m < MT; m++) dot(m, b0 + j, q, _mm256_broadcast_ss(&scaled[m][j]));
+        int j = 0;
+        for (; j + 1 < group; j += 2) {
+          const __m512i qp = _mm512_inserti64x4(_mm512_castsi256_si512(block_u8<kType>(blk + j * block_bytes(kType))),
+                                                block_u8<kType>(blk + (j + 1) * block_bytes(kType)), 1);
+          const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(j));
+          for (int m = 0; m < MT; m++) dot2(m, b0 + j, qp, _mm512_permutexvar_ps(lanes, ax[m]));
+        }
+        if (j < group) {  // the row's odd last block: bytes 32-63 of q zero
+          const __m512i q = _mm512_zextsi256_si512(block_u8<kType>(blk + j * block_bytes(kType)));
+          const __m512i lanes = _mm512_set1_epi32(j);
+          for (int m = 0; m < MT; m++) dot2(m, b0 + j, q, _mm512_permutexvar_ps(lanes, ax[m]));
         }
       }
     }
     for (int m = 0; m < MT; m++) {
-      const __m256 sum = _mm256_add_ps(acc[m][0], acc[m][1]);
-      const float dots = _mm512_reduce_add_ps(_mm512_add_ps(off[m], _mm512_zextps256_ps512(sum)));
+      const float dots = _mm512_reduce_add_ps(_mm512_add_ps(off[m], _mm512_add_ps(acc[m][0], acc[m][1])));
       Elem<Y>::store(y + m * N + n, dots + (bias ? Elem<uint16_t>::load(bias + n) : 0.0f));
     }
   }
@@ -640,7 +663,7 @@ void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const ui
                      int64_t M, int64_t N, int64_t K) {
   static thread_local std::vector<int8_t> xq;  // the calling thread's
   static thread_local std::vector<float> xscale, xsum, xsum32;
-  xq.resize(M * K * 2);
+  xq.resize(M * split_row_bytes(K));
   xscale.resize(M * K / kBlock);
   xsum.resize(M * K / 16);
   xsum32.resize(M * K / kBlock);
