@@ -76,7 +76,7 @@ def k(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.label)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33])  # 1-4: widened in registers
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 33])  # in registers: float 1-4, bf16 1-7
 @pytest.mark.parametrize("kk", [768, 800])  # 3 K-quant super-blocks; 25 blocks (x split in pairs)
 def test_linear_is_the_dequantized_product(
     k: cpu_kernels.CpuKernels, qtype: QuantType, m: int, kk: int
@@ -133,12 +133,13 @@ def test_split_x_keeps_bf16_near_the_block_maximum_exactly() -> None:
 
 
 @pytest.mark.parametrize("qtype", [None, *TYPES], ids=lambda t: t.label if t else "dense")
-@pytest.mark.parametrize("m", [1, 4, 5, 33])  # blocks: 1-4 dotted from the blocks
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 33])  # blocks: 1-7 dotted from the blocks
 def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
     """The bf16 library's LM head (`pd_logits`) writes float32: the product of the bf16
-    activations and the weight as kept, summed in float32, not rounded to bf16. (From 5
+    activations and the weight as kept, summed in float32, not rounded to bf16. (From 8
     rows, blocks are dequantized to bf16 for the dense loop, as every bf16 linear does; up
-    to 4 they are integer dot products with x split in two bytes, where the CPU has VNNI.)"""
+    to 7 they are integer dot products with x split in two bytes, where the CPU has VNNI:
+    quant_linear.h's kFusedMaxMInt8.)"""
     k = cpu_kernels.load(torch.bfloat16)
     if k is None:
         pytest.skip(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
@@ -153,10 +154,10 @@ def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
         head = QuantLinear(kk, n, qtype, None)
         head.qweight = random_blocks(qtype, n, kk, seed=m)
         dense = quant.dequantize(head.qweight, qtype, kk)
-        dense = (dense if m <= 4 else dense.to(torch.bfloat16)).double()
+        dense = (dense if m <= 7 else dense.to(torch.bfloat16)).double()
     x = torch.randn(m, kk).to(torch.bfloat16)
     y = k.logits(x, head)
-    integer = qtype is not None and m <= 4 and "avx512_vnni" in cpu_isa.cpu_flags()
+    integer = qtype is not None and m <= 7 and "avx512_vnni" in cpu_isa.cpu_flags()
     expected = (split_x(x) if integer else x.double()) @ dense.T
     assert y.dtype == torch.float32 and y.shape == (m, n)
     scale = expected.abs().amax().item()

@@ -406,7 +406,19 @@ void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N
   }
 }
 
+// The most rows of x that take the blocks in registers (linear_fused); more dequantize
+// groups of weight rows for the dense loop. Where each wins (AVX512-BF16 class; a Llama-1B
+// layer's linears, Q4_K_M mix): the float widening up to 4 rows; the integer dot products up
+// to 7 (6 rows: 1.26x the dequantized path, 7: 1.22x; at 8 the accumulators, offsets and
+// scales of 8 rows no longer fit the 32 registers: 0.84x).
 constexpr int64_t kFusedMaxM = 4;
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int64_t kFusedMaxMInt8 = 7;
+#else
+constexpr int64_t kFusedMaxMInt8 = kFusedMaxM;
+#endif
+template <typename T>
+constexpr int64_t fused_max_rows() { return std::is_same_v<T, uint16_t> ? kFusedMaxMInt8 : kFusedMaxM; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // The bf16 library (every CPU with AVX512-BF16 has AVX512-VNNI): integer dot products on
@@ -584,21 +596,25 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
                    const uint8_t* w,
                    const uint16_t* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
+  constexpr int kChains = MT < 4 ? 2 : 1;  // accumulator chains a row of x (MT >= 4: rows enough)
   // lanes 0-7 take scale j, 8-15 scale j + 1 (Q6_K: 4-lane quarters, scales 2j..2j + 3)
   const __m512i pair_lanes = kType == kQ6_K ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                                             : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes(kType, K);
-    __m512 acc[MT][2];
+    __m512 acc[MT][kChains];
     __m512 off[MT];  // c against the sums of x
-    for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = off[m] = _mm512_setzero_ps();
+    for (int m = 0; m < MT; m++) {
+      for (int c = 0; c < kChains; c++) acc[m][c] = _mm512_setzero_ps();
+      off[m] = _mm512_setzero_ps();
+    }
     // blocks b, b + 1 (b even) against row m of x, lane i times scale[i] (a times x's scale)
     auto dot2 = [&](int m, int64_t b, __m512i q, __m512 scale) {
       const int8_t* xp = xq + split_offset(m, b, K);
       const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xp));
       const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), q, _mm512_loadu_si512(xp + 64));
-      acc[m][b / 2 % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m][b / 2 % 2]);
+      acc[m][b / 2 % kChains] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m][b / 2 % kChains]);
     };
     if constexpr (is_k_quant(kType)) {
       for (int64_t sb = 0; sb < nb / 8; sb++) {
@@ -652,7 +668,9 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
       }
     }
     for (int m = 0; m < MT; m++) {
-      const float dots = _mm512_reduce_add_ps(_mm512_add_ps(off[m], _mm512_add_ps(acc[m][0], acc[m][1])));
+      __m512 sum = off[m];
+      for (int c = 0; c < kChains; c++) sum = _mm512_add_ps(sum, acc[m][c]);
+      const float dots = _mm512_reduce_add_ps(sum);
       Elem<Y>::store(y + m * N + n, dots + (bias ? Elem<uint16_t>::load(bias + n) : 0.0f));
     }
   }
@@ -675,12 +693,15 @@ void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const ui
       case 2: fused_rows_i8<kType, 2>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
       case 3: fused_rows_i8<kType, 3>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
       case 4: fused_rows_i8<kType, 4>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 5: fused_rows_i8<kType, 5>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 6: fused_rows_i8<kType, 6>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
+      case 7: fused_rows_i8<kType, 7>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
     }
   });
 }
 #endif
 
-// y[M, N] = x[M, K] W^T (+ bias), M <= kFusedMaxM, W in format `type` (block_bytes(type)
+// y[M, N] = x[M, K] W^T (+ bias), M <= fused_max_rows<T>(), W in format `type` (block_bytes(type)
 // != 0), K % 32 == 0. y in T, or float (the bf16 library's logits).
 template <typename T, typename Y>
 void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
@@ -715,7 +736,7 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // A K-quant super-block's 256 weights as bf16, unpacked as the integer kernels unpack them
 // (all 8 sub-blocks' q by 256-bit ops, the scales by vector code): the same a q + c as
-// k_subblocks', 1.3x faster for the linears of more than 4 rows (bench/quant_linear_probe.py
+// k_subblocks', 1.3x faster for the linears of more than 7 rows (bench/quant_linear_probe.py
 // --rows 32, Q4_K).
 template <int64_t kType>
 inline void k_block_bf16(const uint8_t* blk, uint16_t* out) {
@@ -781,14 +802,14 @@ void linear_dequantized(const uint8_t* w, int64_t type, int64_t N, int64_t K, Gr
 }
 
 // y[M, N] = x[M, K] W^T (+ bias) for W in format `type`; -1 for a format without a kernel.
-// Up to kFusedMaxM rows of x widen each block in registers; more rows dequantize groups of
+// Up to fused_max_rows<T>() rows of x take each block in registers; more rows dequantize groups of
 // R weight rows and hand them to `dense_group(group, n0, rows)`, the calling library's
 // dense linear on those rows.
 template <typename T, int R, typename Y, typename DenseGroup>
 int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
            int64_t N, int64_t K, DenseGroup dense_group) {
   if (!block_bytes(type)) return -1;
-  if (M <= kFusedMaxM)
+  if (M <= fused_max_rows<T>())
     linear_fused(x, w, type, bias, y, M, N, K);
   else
     linear_dequantized<T, R>(w, type, N, K, dense_group);
