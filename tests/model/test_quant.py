@@ -75,14 +75,17 @@ def k(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
     return kernels
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.label)
+# 768: three K-quant super-blocks; 800: 25 blocks, an odd count (x is split in pairs of blocks)
+SHAPES = [(t, 768) for t in TYPES] + [(t, 800) for t in TYPES if t.block_weights == 32]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "kk"), SHAPES, ids=lambda v: v.label if isinstance(v, QuantType) else str(v)
+)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 33])  # in registers: float 1-4, bf16 1-7
-@pytest.mark.parametrize("kk", [768, 800])  # 3 K-quant super-blocks; 25 blocks (x split in pairs)
 def test_linear_is_the_dequantized_product(
-    k: cpu_kernels.CpuKernels, qtype: QuantType, m: int, kk: int
+    k: cpu_kernels.CpuKernels, qtype: QuantType, kk: int, m: int
 ) -> None:
-    if kk % qtype.block_weights:
-        pytest.skip(f"{qtype.label} rows are whole super-blocks")
     torch.manual_seed(m)
     n = 67  # odd
     blocks = random_blocks(qtype, n, kk, seed=m)
