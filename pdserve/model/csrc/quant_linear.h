@@ -489,9 +489,10 @@ inline int64_t split_offset(int64_t m, int64_t b, int64_t K) {
 }
 
 // x [M, K] split as above: per row m and 32-weight block b, the 32 bytes at
-// split_offset(m, b) are x1 and the 32 at 64 past them x2 (i = m K / 32 + b below); scale[i] = s / 256 (sum(q x) = scale *
-// (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16] and sum32 [M, K / 32] the sums of x
-// over each 16 and 32 weights (the K-quants' offsets take halves, the others blocks).
+// split_offset(m, b) are x1 and the 32 at 64 past them x2; with i = m K / 32 + b,
+// scale[i] = s / 256 (sum(q x) = scale * (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16]
+// and sum32 [M, K / 32] the sums of x over each 16 and 32 weights (the K-quants' offsets
+// take halves, the others blocks).
 inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum16, float* sum32) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -589,14 +590,15 @@ inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
 
 // y[m, n] for MT rows of x split by split_x: per row of W, two blocks a step (512 bits:
 // block 2p's 32 q in bytes 0-31, 2p + 1's in 32-63, against both blocks' x in one load),
-// each step dotted with every row of x. A 32-weight format's odd last block takes a 256-bit
-// step. Two accumulator chains a row: a step's FMA waits on the last but one.
+// each step dotted with every row of x. A 32-weight format's odd last block takes a step
+// with bytes 32-63 zero. Below 4 rows of x, two accumulator chains a row (a step's FMA
+// waits on the last but one); from 4, the rows' chains are enough.
 template <int64_t kType, int MT, typename Y>
 void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32,
                    const uint8_t* w,
                    const uint16_t* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
-  constexpr int kChains = MT < 4 ? 2 : 1;  // accumulator chains a row of x (MT >= 4: rows enough)
+  constexpr int kChains = MT < 4 ? 2 : 1;
   // lanes 0-7 take scale j, 8-15 scale j + 1 (Q6_K: 4-lane quarters, scales 2j..2j + 3)
   const __m512i pair_lanes = kType == kQ6_K ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                                             : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
