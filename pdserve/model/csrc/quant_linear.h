@@ -355,18 +355,21 @@ inline void with_type(int64_t type, F&& f) {
 }
 
 // Asks for the weight bytes kPrefetchAhead past [p, p + bytes) (past a row's end: the next
-// row's, which follows it). Long rows need it: x as split_x leaves it is 2.5 bytes a weight,
-// read again for every weight row, and at K = 8192 (an MLP's down projection) those 20 KB
-// take most of L1, and the hardware prefetcher alone no longer kept the weights coming:
-// 17-18 GB/s against 25-26 at K = 2048 (AVX512-BF16 class, one row of x, Q4_K/Q6_K); with
-// this, 24-27 at K = 8192, and K = 2048 unchanged. Non-temporal: the bytes are read once.
-// (Walking long rows in spans of x instead, or two weight rows a step to share x's loads,
-// measured no better; two neighbouring rows interleaved halved the speed.)
+// row's, which follows it), into L2. Long rows need it: x as split_x leaves it is 2.5 bytes
+// a weight, read again for every weight row, and at K = 8192-14336 (an MLP's down
+// projection) those 20-36 KB take most of L1 or more, and the hardware prefetcher alone no
+// longer kept the weights coming: K = 8192 17-18 GB/s against 25-26 at K = 2048
+// (AVX512-BF16 class, one row of x, Q4_K/Q6_K). Into L2, not L1: prefetched into L1
+// (`_MM_HINT_T0` or `_MM_HINT_NTA`) the lines were evicted by x's refills before their use
+// at K = 14336 (21-22 GB/s); into L2 (`_MM_HINT_T1`; T2 the same here) 30-33, and K = 8192
+// 29-31, K = 2048 unchanged. (Walking long rows in spans of x, two weight rows a step to
+// share x's loads, splitting K over the threads, or prefetching x measured no better; two
+// neighbouring rows interleaved halved the speed.)
 constexpr int64_t kPrefetchAhead = 4096;
 
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + l), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + l), _MM_HINT_T1);
 }
 
 // y[m, n] for MT (<= 4) rows of x (floats) and every weight row n: one weight row at a
