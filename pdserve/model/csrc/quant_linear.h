@@ -621,6 +621,11 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
       const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), q, _mm512_loadu_si512(xp + 64));
       acc[m][b / 2 % kChains] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m][b / 2 % kChains]);
     };
+    // blocks b, b + 1 against every row of x, their scales from lanes `first`.. of ax[m]
+    auto step = [&](int64_t b, __m512i q, const __m512* ax, int first) {
+      const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(first));
+      for (int m = 0; m < MT; m++) dot2(m, b, q, _mm512_permutexvar_ps(lanes, ax[m]));
+    };
     if constexpr (is_k_quant(kType)) {
       for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t* blk = row + sb * block_bytes(kType);
@@ -636,11 +641,9 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
               ? _mm512_mul_ps(_mm512_load_ps(a), _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), _mm512_castps256_ps512(xs)))
               : _mm512_castps256_ps512(_mm256_mul_ps(_mm256_load_ps(a), xs));
         }
-        for (int j = 0; j < 8; j += 2) {
-          const __m512i qp = _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1);
-          const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(kType == kQ6_K ? 2 * j : j));
-          for (int m = 0; m < MT; m++) dot2(m, 8 * sb + j, qp, _mm512_permutexvar_ps(lanes, ax[m]));
-        }
+        for (int j = 0; j < 8; j += 2)
+          step(8 * sb + j, _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1), ax,
+               kType == kQ6_K ? 2 * j : j);
         for (int m = 0; m < MT; m++) off[m] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xsum + m * (K / 16) + sb * 16), off[m]);
       }
     } else {
@@ -658,17 +661,11 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
           ax[m] = _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_maskz_loadu_ps(live, xscale + i)));
           off[m] = _mm512_add_ps(off[m], _mm512_zextps256_ps512(_mm256_mul_ps(c, _mm256_maskz_loadu_ps(live, xsum32 + i))));
         }
-        int j = 0;
-        for (; j + 1 < group; j += 2) {
-          const __m512i qp = _mm512_inserti64x4(_mm512_castsi256_si512(block_u8<kType>(blk + j * block_bytes(kType))),
-                                                block_u8<kType>(blk + (j + 1) * block_bytes(kType)), 1);
-          const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(j));
-          for (int m = 0; m < MT; m++) dot2(m, b0 + j, qp, _mm512_permutexvar_ps(lanes, ax[m]));
-        }
-        if (j < group) {  // the row's odd last block: bytes 32-63 of q zero
-          const __m512i q = _mm512_zextsi256_si512(block_u8<kType>(blk + j * block_bytes(kType)));
-          const __m512i lanes = _mm512_set1_epi32(j);
-          for (int m = 0; m < MT; m++) dot2(m, b0 + j, q, _mm512_permutexvar_ps(lanes, ax[m]));
+        for (int j = 0; j < group; j += 2) {
+          // the row's odd last block: bytes 32-63 of q zero (lanes 8-15 add 0 x a finite scale)
+          const __m256i second = j + 1 < group ? block_u8<kType>(blk + (j + 1) * block_bytes(kType)) : _mm256_setzero_si256();
+          step(b0 + j, _mm512_inserti64x4(_mm512_castsi256_si512(block_u8<kType>(blk + j * block_bytes(kType))), second, 1),
+               ax, j);
         }
       }
     }
