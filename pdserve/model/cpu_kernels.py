@@ -137,6 +137,9 @@ AMX_MAX_M = 128
 bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
 from 0.67x to 1.3x from run to run; 0.5-0.9x at 512 and above, where oneDNN's blocking
 reaches ~2.3 TFLOP/s on a quiet machine and this kernel ~1.5."""
+AMX_TILES_FLAG = 1 << 8
+"""Set in a block format's type (`CpuKernels.quant_type`): rows of x past the fused loop's
+take AMX tiles on the dequantized blocks (cpu_kernels.cpp's kAmxTiles)."""
 AMX_SMALL_M = 2
 """With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 
@@ -304,13 +307,19 @@ class CpuKernels:
         one-call decode step too: a batch-invariant step of one row must run per op."""
         return self.dtype == torch.float32
 
+    def quant_type(self, qtype: QuantType) -> int:
+        """A block format as the kernels take it: with AMX, flagged so that rows past the
+        fused loop's run on AMX tiles (`linear_quant_amx`) instead of the dense loop."""
+        return int(qtype) | (AMX_TILES_FLAG if self.amx else 0)
+
     def linear_quant(self, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         """x [M, K] times a weight kept in blocks (+ bias) -> [M, N] in x's dtype: the
         product with the dequantized weight (quant_linear.h)."""
         m, k = x.shape
         y = torch.empty((m, layer.out_features), dtype=x.dtype)
         x = x.contiguous()
-        args = (layer.qweight.data_ptr(), int(layer.qtype), _ptr(layer.bias), y.data_ptr())
+        qtype = self.quant_type(layer.qtype)
+        args = (layer.qweight.data_ptr(), qtype, _ptr(layer.bias), y.data_ptr())
         if self._lib.pd_linear_quant(x.data_ptr(), *args, m, layer.out_features, k) != 0:
             raise ValueError(f"no kernel for {layer.qtype.label} weights")
         return y
@@ -321,7 +330,7 @@ class CpuKernels:
         linear's bf16 output, widened."""
         m, k = x.shape
         if isinstance(head, QuantLinear):
-            weight, qtype = head.qweight, int(head.qtype)
+            weight, qtype = head.qweight, self.quant_type(head.qtype)
         elif k % self.k_multiple == 0:
             weight, qtype = head.weight, 0
         else:

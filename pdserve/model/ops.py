@@ -322,7 +322,9 @@ def _layer_table(
             return None
         weights = [_weight_ptr(lin) for lin in linears]
         packed = [_amx_weight(kernels, lin).data_ptr() if amx else None for lin in linears]
-        types = [int(lin.qtype) if isinstance(lin, QuantLinear) else 0 for lin in linears]
+        types = [
+            kernels.quant_type(lin.qtype) if isinstance(lin, QuantLinear) else 0 for lin in linears
+        ]
         layers.append(cpu_kernels.PdLayer(
             layer.input_layernorm.weight.data_ptr(), weights[0],
             None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr(),

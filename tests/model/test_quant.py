@@ -82,7 +82,8 @@ SHAPES = [(t, 768) for t in TYPES] + [(t, 800) for t in TYPES if t.block_weights
 @pytest.mark.parametrize(
     ("qtype", "kk"), SHAPES, ids=lambda v: v.label if isinstance(v, QuantType) else str(v)
 )
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 33])  # in registers: float 1-4, bf16 1-7
+# in registers: float 1-4, bf16 1-7; then dequantized (AMX: 70 rows are 4 + 1 tiles of 16)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 33, 70])
 def test_linear_is_the_dequantized_product(
     k: cpu_kernels.CpuKernels, qtype: QuantType, kk: int, m: int
 ) -> None:
@@ -136,7 +137,7 @@ def test_split_x_keeps_bf16_near_the_block_maximum_exactly() -> None:
 
 
 @pytest.mark.parametrize("qtype", [None, *TYPES], ids=lambda t: t.label if t else "dense")
-@pytest.mark.parametrize("m", [1, 4, 7, 8, 33])  # blocks: 1-7 dotted from the blocks
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 33, 70])  # blocks: 1-7 dotted from the blocks
 def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
     """The bf16 library's LM head (`pd_logits`) writes float32: the product of the bf16
     activations and the weight as kept, summed in float32, not rounded to bf16. (From 8

@@ -173,11 +173,32 @@ void linear_small(const bf16* x, const bf16* w, const bf16* bias, Y* y, int64_t 
     linear_row(x, w + n * K, bias, y, M, N, K, n);
 }
 
+// A block format's type with this bit set (the Python side sets it where AMX runs): rows
+// past the fused loop's take AMX tiles (`linear_quant_amx`) instead of the dense loop.
+constexpr int64_t kAmxTiles = 1 << 8;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+template <typename Y>
+void linear_quant_amx(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, Y* y,
+                      int64_t M, int64_t N, int64_t K);
+#endif
+
 // Weights in a GGUF block format (quant_linear.h's linear): groups of kRows rows dequantized
-// for the dense linear above when x has more rows than the fused loop takes.
+// for the dense linear above when x has more rows than the fused loop takes (or, with
+// kAmxTiles, for AMX tiles).
 template <typename Y>
 int linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, Y* y,
                  int64_t M, int64_t N, int64_t K) {
+  const bool amx = type & kAmxTiles;
+  type &= ~kAmxTiles;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx && M > quant::fused_max_rows<bf16>() && quant::block_bytes(type)) {
+    linear_quant_amx(x, w, type, bias, y, M, N, K);
+    return 0;
+  }
+#else
+  (void)amx;
+#endif
   return quant::linear<bf16, kRows>(x, w, type, bias, y, M, N, K, [&](const bf16* wg, int64_t n0, int64_t rows) {
     if (rows == kRows)
       linear_group(x, wg, bias, y, M, N, K, n0, false);
@@ -785,6 +806,114 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 }
 
 }  // extern "C"
+
+// Weights in blocks on AMX tiles, for rows of x past the fused loop's (linear_quant with
+// kAmxTiles). Each thread dequantizes 16 weight rows at a time into a bf16 buffer, which
+// is a tile product's A side as it stands (16 rows of 32 k, row stride K), and multiplies
+// it with x packed once per call into VNNI tiles (the B side, pd_amx_pack's layout with x
+// for W): C = W x^T, 16 outputs x 16 rows of x, transposed on the way out. A weight is
+// dequantized once per call whatever M, and the products run on the tiles; the dense
+// AVX512-BF16 loop the blocks otherwise go to does 32 products an instruction. The sums
+// are the dequantized weights' bf16 products in fp32, as on that path, in tile order.
+namespace {
+
+// Slice s of x (rows 16 s.., zero past M) as B tiles: xp[kb][r][2 m + e] = x[16 s + m][32 kb + 2 r + e].
+void pack_x_tiles(const bf16* x, int64_t M, int64_t K, int64_t s, bf16* xp) {
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    __m512i r[16];
+    for (int64_t m = 0; m < 16; m++)
+      r[m] = 16 * s + m < M ? _mm512_loadu_si512(x + (16 * s + m) * K + 32 * kb) : _mm512_setzero_si512();
+    attn_i8::transpose16(r);  // dword m of r[c]: pair c of row m
+    for (int64_t c = 0; c < 16; c++) _mm512_store_si512(xp + kb * 512 + c * 32, r[c]);
+  }
+}
+
+// The 16 weight rows at wt (row stride K) against S packed slices of x (`slice` elements
+// apart): c_out[256 q + 16 n + m] = sum_k wt[n][k] x_q[m][k].
+template <int S>
+void amx_wtile(const bf16* wt, int64_t K, const bf16* xp, int64_t slice, float* c_out) {
+  _tile_zero(0);
+  if (S > 1) _tile_zero(1);
+  if (S > 2) _tile_zero(2);
+  if (S > 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(6, wt + kb * 32, K * 2);
+    _tile_loadd(4, xp + kb * 512, 64);
+    _tile_dpbf16ps(0, 6, 4);
+    if (S > 1) { _tile_loadd(5, xp + slice + kb * 512, 64); _tile_dpbf16ps(1, 6, 5); }
+    if (S > 2) { _tile_loadd(4, xp + 2 * slice + kb * 512, 64); _tile_dpbf16ps(2, 6, 4); }
+    if (S > 3) { _tile_loadd(5, xp + 3 * slice + kb * 512, 64); _tile_dpbf16ps(3, 6, 5); }
+  }
+  _tile_stored(0, c_out, 64);
+  if (S > 1) _tile_stored(1, c_out + 256, 64);
+  if (S > 2) _tile_stored(2, c_out + 512, 64);
+  if (S > 3) _tile_stored(3, c_out + 768, 64);
+}
+
+template <typename Y>
+void linear_quant_amx(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, Y* y,
+                      int64_t M, int64_t N, int64_t K) {
+  const int64_t slices = (M + 15) / 16, slice = K / 32 * 512, stride = quant::row_bytes(type, K);
+  std::unique_ptr<bf16, decltype(&free)> packed(
+      static_cast<bf16*>(aligned_alloc(64, slices * slice * sizeof(bf16))), &free);
+  bf16* xp = packed.get();
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < slices; s++) pack_x_tiles(x, M, K, s, xp + s * slice);
+    configure_tiles();
+    std::unique_ptr<bf16, decltype(&free)> buffer(
+        static_cast<bf16*>(aligned_alloc(64, 16 * K * sizeof(bf16))), &free);
+    bf16* wt = buffer.get();
+    alignas(64) float c[4 * 256];
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < (N + 15) / 16; j++) {
+      const int64_t n0 = 16 * j, rows = std::min<int64_t>(16, N - n0);
+      for (int64_t r = 0; r < 16; r++) {
+        if (r < rows)
+          quant::dequantize_row(w + (n0 + r) * stride, type, K, wt + r * K);
+        else
+          memset(wt + r * K, 0, K * sizeof(bf16));
+      }
+      __m512 b = _mm512_setzero_ps();
+      if (bias) {
+        alignas(64) float bv[16] = {};
+        for (int64_t r = 0; r < rows; r++) bv[r] = to_f32(bias[n0 + r]);
+        b = _mm512_load_ps(bv);
+      }
+      for (int64_t s = 0; s < slices; s += 4) {
+        const int64_t ns = std::min<int64_t>(4, slices - s);
+        const bf16* xs = xp + s * slice;
+        switch (ns) {
+          case 1: amx_wtile<1>(wt, K, xs, slice, c); break;
+          case 2: amx_wtile<2>(wt, K, xs, slice, c); break;
+          case 3: amx_wtile<3>(wt, K, xs, slice, c); break;
+          default: amx_wtile<4>(wt, K, xs, slice, c); break;
+        }
+        for (int64_t q = 0; q < ns; q++) {
+          __m512i t[16];
+          for (int64_t n = 0; n < 16; n++) t[n] = _mm512_load_si512(c + 256 * q + 16 * n);
+          attn_i8::transpose16(t);  // lane n of t[m]: output n0 + n of row m
+          const int64_t m0 = 16 * (s + q), ms = std::min<int64_t>(16, M - m0);
+          for (int64_t m = 0; m < ms; m++) {
+            const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(t[m]), b);
+            Y* dst = y + (m0 + m) * N + n0;
+            if (rows == 16) {
+              put16(dst, v);
+            } else {
+              alignas(64) float out[16];
+              _mm512_store_ps(out, v);
+              for (int64_t r = 0; r < rows; r++) put(dst + r, out[r]);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
 
 // AMX's two products of prefill attention (below): S^T in four 16-key tiles, O^T four
 // 16-dimension tiles at a time.
