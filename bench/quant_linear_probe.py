@@ -60,12 +60,21 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1, help="rows of x (a step's batch)")
     p.add_argument("--formats", default="", help="comma-separated labels (default: all)")
     p.add_argument("--shapes", default="8192x2048", help="comma-separated NxK (out x in)")
+    p.add_argument(
+        "--levels", default="amx,avx512_bf16,avx2", help="CPU levels to time (bf16 on AMX and "
+        "AVX512-BF16, float32 on AVX2), those this CPU has"
+    )  # fmt: skip
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    for dtype, isa in [(torch.bfloat16, CpuIsa.AVX512_BF16), (torch.float32, CpuIsa.AVX2)]:
+    levels = {
+        "amx": (torch.bfloat16, CpuIsa.AMX),
+        "avx512_bf16": (torch.bfloat16, CpuIsa.AVX512_BF16),
+        "avx2": (torch.float32, CpuIsa.AVX2),
+    }
+    for dtype, isa in [levels[name] for name in args.levels.split(",")]:
         k = cpu_kernels.load(dtype, isa)
-        if k is None:
-            print(f"{isa.label}: {cpu_kernels.unavailable_reason(dtype, isa)}")
+        if k is None or k.isa != isa:
+            print(f"{isa.label}: {cpu_kernels.unavailable_reason(dtype, isa) or 'not here'}")
             continue
         wanted = args.formats.split(",") if args.formats else [q.label for q in QuantType]
         for shape in args.shapes.split(","):
@@ -82,7 +91,11 @@ def main() -> None:
                 rates = _rates(s, layers[0].qweight.nbytes, args.rows, n, kk)
                 print(f"{isa.label:12s} {n}x{kk} {qtype.label:5s} {rates}")
             dense = _on_huge_pages([torch.randn(n, kk).to(dtype) for _ in range(MATRICES)])
-            s = seconds_per_matrix(partial(k.linear, x, bias=None), dense, args.repeat)
+            if k.route(x, dense[0]) == "amx":  # the dense model's kernel at these rows
+                dense = _on_huge_pages([k.pack_amx(w) for w in dense])
+                s = seconds_per_matrix(partial(k.linear_amx, x, bias=None), dense, args.repeat)
+            else:
+                s = seconds_per_matrix(partial(k.linear, x, bias=None), dense, args.repeat)
             print(f"{isa.label:12s} {n}x{kk} dense {_rates(s, dense[0].nbytes, args.rows, n, kk)}")
 
 

@@ -809,7 +809,8 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 
 // Weights in blocks on AMX tiles, for rows of x past the fused loop's (linear_quant with
 // kAmxTiles). Each thread dequantizes 16 weight rows at a time into a bf16 buffer, which
-// is a tile product's A side as it stands (16 rows of 32 k, row stride K), and multiplies
+// is a tile product's A side as it stands (16 rows of 32 k, a tile's 1 KB contiguous:
+// loads from a row-major buffer of K-long rows made the 32-row linear 1.xx slower), and multiplies
 // it with x packed once per call into VNNI tiles (the B side, pd_amx_pack's layout with x
 // for W): C = W x^T, 16 outputs x 16 rows of x, transposed on the way out. A weight is
 // dequantized once per call whatever M, and the products run on the tiles; the dense
@@ -828,8 +829,8 @@ void pack_x_tiles(const bf16* x, int64_t M, int64_t K, int64_t s, bf16* xp) {
   }
 }
 
-// The 16 weight rows at wt (row stride K) against S packed slices of x (`slice` elements
-// apart): c_out[256 q + 16 n + m] = sum_k wt[n][k] x_q[m][k].
+// 16 weight rows as tiles (wt[kb][n][32]) against S packed slices of x (`slice` elements
+// apart): c_out[256 q + 16 n + m] = sum_k W[n][k] x_q[m][k].
 template <int S>
 void amx_wtile(const bf16* wt, int64_t K, const bf16* xp, int64_t slice, float* c_out) {
   _tile_zero(0);
@@ -837,7 +838,7 @@ void amx_wtile(const bf16* wt, int64_t K, const bf16* xp, int64_t slice, float* 
   if (S > 2) _tile_zero(2);
   if (S > 3) _tile_zero(3);
   for (int64_t kb = 0; kb < K / 32; kb++) {
-    _tile_loadd(6, wt + kb * 32, K * 2);
+    _tile_loadd(6, wt + kb * 512, 64);
     _tile_loadd(4, xp + kb * 512, 64);
     _tile_dpbf16ps(0, 6, 4);
     if (S > 1) { _tile_loadd(5, xp + slice + kb * 512, 64); _tile_dpbf16ps(1, 6, 5); }
@@ -871,9 +872,9 @@ void linear_quant_amx(const bf16* x, const uint8_t* w, int64_t type, const bf16*
       const int64_t n0 = 16 * j, rows = std::min<int64_t>(16, N - n0);
       for (int64_t r = 0; r < 16; r++) {
         if (r < rows)
-          quant::dequantize_row(w + (n0 + r) * stride, type, K, wt + r * K);
+          quant::dequantize_row(w + (n0 + r) * stride, type, K, wt + 32 * r, 512);
         else
-          memset(wt + r * K, 0, K * sizeof(bf16));
+          for (int64_t kb = 0; kb < K / 32; kb++) memset(wt + kb * 512 + 32 * r, 0, 64);
       }
       __m512 b = _mm512_setzero_ps();
       if (bias) {

@@ -741,7 +741,7 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
 // k_subblocks', 1.3x faster for the linears of more than 7 rows (bench/quant_linear_probe.py
 // --rows 32, Q4_K).
 template <int64_t kType>
-inline void k_block_bf16(const uint8_t* blk, uint16_t* out) {
+inline void k_block_bf16(const uint8_t* blk, uint16_t* out, int64_t stride) {
   alignas(64) float a[16], c[16];
   _mm512_store_ps(c, k_scales16<kType>(blk, a));
   __m256i q[8];
@@ -752,29 +752,32 @@ inline void k_block_bf16(const uint8_t* blk, uint16_t* out) {
       const float scale = kType == kQ6_K ? a[2 * j + h] : a[j];
       const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(half)),
                                        _mm512_set1_ps(c[2 * j + h]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + stride * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
     }
 }
 #endif
 
+// A weight row's K weights in T; each block of 32 at out + b * stride (kBlock: the row as
+// it is; 16 kBlock: the AMX linear's tiles of 16 rows).
 template <typename T>
-inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out) {
+inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out, int64_t stride = kBlock) {
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (is_k_quant(kType) && std::is_same_v<T, uint16_t>) {
-      for (int64_t sb = 0; sb < K / 256; sb++) k_block_bf16<kType>(row + sb * block_bytes(kType), out + 256 * sb);
+      for (int64_t sb = 0; sb < K / 256; sb++)
+        k_block_bf16<kType>(row + sb * block_bytes(kType), out + 8 * sb * stride, stride);
       return;
     }
 #endif
     if constexpr (is_k_quant(kType)) {
       for (int64_t sb = 0; sb < K / 256; sb++)
-        k_subblocks<kType>(row + sb * block_bytes(kType), [&](int j, const V* v) { store_block(v, out + (8 * sb + j) * kBlock); });
+        k_subblocks<kType>(row + sb * block_bytes(kType), [&](int j, const V* v) { store_block(v, out + (8 * sb + j) * stride); });
     } else {
       for (int64_t b = 0; b < K / kBlock; b++) {
         V v[kVecs];
         block_values<kType>(row, b, v);
-        store_block(v, out + b * kBlock);
+        store_block(v, out + b * stride);
       }
     }
   });
