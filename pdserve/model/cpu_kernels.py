@@ -137,6 +137,13 @@ AMX_MAX_M = 128
 bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
 from 0.67x to 1.3x from run to run; 0.5-0.9x at 512 and above, where oneDNN's blocking
 reaches ~2.3 TFLOP/s on a quiet machine and this kernel ~1.5."""
+QUANT_MAX_M = 128
+"""Most rows a linear on quantized weights computes from the blocks; larger ones (prefill)
+dequantize the layer and run oneDNN/MKL. [measured in docs/benchmarks.md]"""
+AMX_QUANT_MAX_M = 512
+"""The same where the blocks' linear runs on AMX tiles: against dequantizing the layer for
+oneDNN (Q4_K 8192 x 2048, AMX class, 2026-12-05) 3.2x at 128 rows, 1.4x at 512, 0.95x at
+1024, 0.75x at 2048."""
 AMX_TILES_FLAG = 1 << 8
 """Set in a block format's type (`CpuKernels.quant_type`): rows of x past the fused loop's
 take AMX tiles on the dequantized blocks (cpu_kernels.cpp's kAmxTiles)."""
@@ -277,6 +284,11 @@ class CpuKernels:
         if self.dtype == torch.float32:
             return FP32_MAX_M
         return AMX_SMALL_M if self.amx else SMALL_M
+
+    @property
+    def quant_max_m(self) -> int:
+        """Most rows a linear on blocks takes from the blocks (`linear_quant`)."""
+        return AMX_QUANT_MAX_M if self.amx else QUANT_MAX_M
 
     @property
     def max_one_call_m(self) -> int:

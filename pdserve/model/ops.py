@@ -198,7 +198,7 @@ class CpuKernelOps(TorchOps):
         at every row count (the kernel `route` gives every linear)."""
         t = x.shape[0]
         amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
-        limit = QUANT_MAX_M if model.quantized else self.k.max_one_call_m
+        limit = self.k.quant_max_m if model.quantized else self.k.max_one_call_m
         one_call = self.one_call and not (self.batch_invariant and t == 1 and self.k.one_row_loop)
         table = None
         if one_call and not meta.prefills and t <= limit:
@@ -226,7 +226,7 @@ class CpuKernelOps(TorchOps):
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if isinstance(layer, QuantLinear):
-            if x.shape[0] <= QUANT_MAX_M:
+            if x.shape[0] <= self.k.quant_max_m:
                 return self.k.linear_quant(x, layer)
             dense = self.k.dequantize(layer.qweight, layer.qtype, layer.in_features)
             return F.linear(x, dense, layer.bias)
@@ -352,10 +352,6 @@ def _amx_weight(kernels: cpu_kernels.CpuKernels, layer: nn.Linear) -> torch.Tens
 
 _PACKED = huge_pages.Arena()
 """AMX-packed weights, streamed every step like the weights themselves."""
-
-QUANT_MAX_M = 128
-"""Most rows a linear on quantized weights computes from the blocks; larger ones (prefill)
-dequantize the layer and run oneDNN/MKL. [measured in docs/benchmarks.md]"""
 
 TORCH_OPS = TorchOps()
 

@@ -808,14 +808,18 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 }  // extern "C"
 
 // Weights in blocks on AMX tiles, for rows of x past the fused loop's (linear_quant with
-// kAmxTiles). Each thread dequantizes 16 weight rows at a time into a bf16 buffer, which
-// is a tile product's A side as it stands (16 rows of 32 k, a tile's 1 KB contiguous:
-// loads from a row-major buffer of K-long rows made the 32-row linear 1.xx slower), and multiplies
-// it with x packed once per call into VNNI tiles (the B side, pd_amx_pack's layout with x
-// for W): C = W x^T, 16 outputs x 16 rows of x, transposed on the way out. A weight is
-// dequantized once per call whatever M, and the products run on the tiles; the dense
-// AVX512-BF16 loop the blocks otherwise go to does 32 products an instruction. The sums
+// kAmxTiles). Each thread dequantizes 16 weight rows at a time into a bf16 buffer in tile
+// order, a tile product's A side as it stands (16 rows of 32 k, each tile's 1 KB in a row:
+// tiles loaded from K-long rows made the 32-row linear up to 1.5x slower), and multiplies
+// it with x packed once per call into VNNI tiles (the B side: pd_amx_pack's layout, x for
+// W): C = W x^T, 16 outputs x 16 rows of x, transposed on the way out. Each weight is
+// dequantized once per call whatever M, and the products run on the tiles, where the dense
+// AVX512-BF16 loop the blocks otherwise go to takes 32 products an instruction. The sums
 // are the dequantized weights' bf16 products in fp32, as on that path, in tile order.
+// Dequantizing is most of the time (perf: 60-65% at 32 rows of Q4_K; 8 rows cost ~80% of
+// 32). Tried and dropped: dequantizing 256-weight chunks of the 16 rows so that the buffer
+// stays in L1, with the sums kept in tiles between chunks (1.2-1.5x slower: 16 rows read a
+// chunk at a time are 16 interleaved streams, where whole rows are one).
 namespace {
 
 // Slice s of x (rows 16 s.., zero past M) as B tiles: xp[kb][r][2 m + e] = x[16 s + m][32 kb + 2 r + e].

@@ -30,7 +30,8 @@
 //   to float, or bytes for the bf16 library's integer dot products) and used for every row
 //   of x, one weight row at a time in storage order;
 // - more rows: `linear_dequantized`, a group of weight rows dequantized into an L1 buffer
-//   and handed to the library's dense linear.
+//   and handed to the library's dense linear (the bf16 library on AMX instead dequantizes
+//   16 rows into tile order for AMX tiles: cpu_kernels.cpp's linear_quant_amx).
 //
 // AVX2 + FMA + F16C intrinsics (x86-64-v3), 16 lanes where the build has AVX-512.
 
