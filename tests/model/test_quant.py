@@ -141,9 +141,9 @@ def test_split_x_keeps_bf16_near_the_block_maximum_exactly() -> None:
 def test_logits_are_float32_products(qtype: QuantType | None, m: int) -> None:
     """The bf16 library's LM head (`pd_logits`) writes float32: the product of the bf16
     activations and the weight as kept, summed in float32, not rounded to bf16. (From 8
-    rows, blocks are dequantized to bf16 for the dense loop, as every bf16 linear does; up
-    to 7 they are integer dot products with x split in two bytes, where the CPU has VNNI:
-    quant_linear.h's kFusedMaxMInt8.)"""
+    rows, blocks are dequantized to bf16 for the dense loop or AMX tiles, as every bf16
+    linear does; up to 7 they are integer dot products with x split in two bytes, where the
+    CPU has VNNI: quant_linear.h's kFusedMaxMInt8.)"""
     k = cpu_kernels.load(torch.bfloat16)
     if k is None:
         pytest.skip(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
