@@ -32,6 +32,7 @@
 #include "attention_int8.h"
 
 typedef uint16_t bf16;
+using quant::with_count;
 
 namespace {
 
@@ -395,18 +396,6 @@ inline void exp_rows(float* s, int64_t ls, int64_t rows, int64_t L, float* inv, 
     inv[r] = exp_row(s + r * ls, L, &top);
     if (lse) lse[r] = top - logf(inv[r]);
   }
-}
-
-// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= kMax.
-template <int kMax, typename F>
-inline void with_count(int64_t n, F&& f) {
-  if constexpr (kMax > 1) {
-    if (n < kMax) {
-      with_count<kMax - 1>(n, f);
-      return;
-    }
-  }
-  f(std::integral_constant<int, kMax>{});
 }
 
 // Pass 3 for NG query heads of kv head hk: out_g = inv_g * sum_t p_g[t] v_t. A 64-byte
@@ -780,12 +769,7 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
           for (int64_t t = 0; t < tiles; t++) {
             const bf16* wt = packed + (j + t) * 16 * K;
             float* ct = c + t * 1024;
-            switch (ns) {
-              case 1: amx_ntile<1>(slices, wt, K, ct); break;
-              case 2: amx_ntile<2>(slices, wt, K, ct); break;
-              case 3: amx_ntile<3>(slices, wt, K, ct); break;
-              default: amx_ntile<4>(slices, wt, K, ct); break;
-            }
+            with_count<4>(ns, [&](auto n) { amx_ntile<decltype(n)::value>(slices, wt, K, ct); });
           }
           const int64_t m0 = 16 * s, rows = M - m0 < 16 * ns ? M - m0 : 16 * ns;
           for (int64_t m = 0; m < rows; m++) {  // c holds slice q's row r at (16 q + r) * 16
@@ -889,12 +873,7 @@ void linear_quant_amx(const bf16* x, const uint8_t* w, int64_t type, const bf16*
       for (int64_t s = 0; s < slices; s += 4) {
         const int64_t ns = std::min<int64_t>(4, slices - s);
         const bf16* xs = xp + s * slice;
-        switch (ns) {
-          case 1: amx_wtile<1>(wt, K, xs, slice, c); break;
-          case 2: amx_wtile<2>(wt, K, xs, slice, c); break;
-          case 3: amx_wtile<3>(wt, K, xs, slice, c); break;
-          default: amx_wtile<4>(wt, K, xs, slice, c); break;
-        }
+        with_count<4>(ns, [&](auto n) { amx_wtile<decltype(n)::value>(wt, K, xs, slice, c); });
         for (int64_t q = 0; q < ns; q++) {
           __m512i t[16];
           for (int64_t n = 0; n < 16; n++) t[n] = _mm512_load_si512(c + 256 * q + 16 * n);

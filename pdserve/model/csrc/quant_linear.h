@@ -340,6 +340,19 @@ inline void store_block(const V v[kVecs], T* out) {
   for (int i = 0; i < kVecs; i++) Elem<T>::storev(out + kLanes * i, v[i]);
 }
 
+// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= kMax: a kernel specialised on a
+// small count (rows of x, heads, tiles) called with the count it got.
+template <int kMax, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) {
+      with_count<kMax - 1>(n, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
 // f(std::integral_constant<int64_t, type>{}) for a format with kernels (block_bytes != 0).
 template <typename F>
 inline void with_type(int64_t type, F&& f) {
@@ -691,15 +704,9 @@ void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const ui
   split_x(x, M, K, xq.data(), xscale.data(), xsum.data(), xsum32.data());
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
-    switch (M) {
-      case 1: fused_rows_i8<kType, 1>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 2: fused_rows_i8<kType, 2>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 3: fused_rows_i8<kType, 3>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 4: fused_rows_i8<kType, 4>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 5: fused_rows_i8<kType, 5>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 6: fused_rows_i8<kType, 6>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-      case 7: fused_rows_i8<kType, 7>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K); break;
-    }
+    with_count<kFusedMaxMInt8>(M, [&](auto rows) {
+      fused_rows_i8<kType, decltype(rows)::value>(xq.data(), xscale.data(), xsum.data(), xsum32.data(), w, bias, y, N, K);
+    });
   });
 }
 #endif
@@ -726,12 +733,7 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
   }
   auto run = [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
-    switch (M) {
-      case 1: fused_rows<T, kType, 1>(xf, w, bias, y, N, K); break;
-      case 2: fused_rows<T, kType, 2>(xf, w, bias, y, N, K); break;
-      case 3: fused_rows<T, kType, 3>(xf, w, bias, y, N, K); break;
-      case 4: fused_rows<T, kType, 4>(xf, w, bias, y, N, K); break;
-    }
+    with_count<kFusedMaxM>(M, [&](auto rows) { fused_rows<T, kType, decltype(rows)::value>(xf, w, bias, y, N, K); });
   };
   with_type(type, run);
 }
@@ -815,6 +817,7 @@ template <typename T, int R, typename Y, typename DenseGroup>
 int linear(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t M,
            int64_t N, int64_t K, DenseGroup dense_group) {
   if (!block_bytes(type)) return -1;
+  if (M == 0) return 0;
   if (M <= fused_max_rows<T>())
     linear_fused(x, w, type, bias, y, M, N, K);
   else
