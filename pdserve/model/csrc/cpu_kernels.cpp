@@ -174,6 +174,19 @@ void linear_small(const bf16* x, const bf16* w, const bf16* bias, Y* y, int64_t 
     linear_row(x, w + n * K, bias, y, M, N, K, n);
 }
 
+// 16 rows of K bf16 (row stride `stride`; rows past `rows` zero) as AMX B tiles, one per 32
+// columns: out[kb][r][2 m + e] = x[m][32 kb + 2 r + e]. The AMX linear on blocks takes x
+// so, prefill attention its queries.
+inline void pack_b_tiles(const bf16* x, int64_t stride, int64_t rows, int64_t K, bf16* out) {
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    __m512i r[16];
+    for (int64_t m = 0; m < 16; m++)
+      r[m] = m < rows ? _mm512_loadu_si512(x + m * stride + 32 * kb) : _mm512_setzero_si512();
+    attn_i8::transpose16(r);  // dword m of r[c]: pair c of row m
+    for (int64_t c = 0; c < 16; c++) _mm512_store_si512(out + kb * 512 + c * 32, r[c]);
+  }
+}
+
 // A block format's type with this bit set (the Python side sets it where AMX runs): rows
 // past the fused loop's take AMX tiles (`linear_quant_amx`) instead of the dense loop.
 constexpr int64_t kAmxTiles = 1 << 8;
@@ -795,8 +808,8 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 // kAmxTiles). Each thread dequantizes 16 weight rows at a time into a bf16 buffer in tile
 // order, a tile product's A side as it stands (16 rows of 32 k, each tile's 1 KB in a row:
 // tiles loaded from K-long rows made the 32-row linear up to 1.5x slower), and multiplies
-// it with x packed once per call into VNNI tiles (the B side: pd_amx_pack's layout, x for
-// W): C = W x^T, 16 outputs x 16 rows of x, transposed on the way out. Each weight is
+// it with x packed once per call into VNNI tiles (the B side, `pack_b_tiles`): C = W x^T,
+// 16 outputs x 16 rows of x, transposed on the way out. Each weight is
 // dequantized once per call whatever M, and the products run on the tiles, where the dense
 // AVX512-BF16 loop the blocks otherwise go to takes 32 products an instruction. The sums
 // are the dequantized weights' bf16 products in fp32, as on that path, in tile order.
@@ -805,17 +818,6 @@ void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y,
 // stays in L1, with the sums kept in tiles between chunks (1.2-1.5x slower: 16 rows read a
 // chunk at a time are 16 interleaved streams, where whole rows are one).
 namespace {
-
-// Slice s of x (rows 16 s.., zero past M) as B tiles: xp[kb][r][2 m + e] = x[16 s + m][32 kb + 2 r + e].
-void pack_x_tiles(const bf16* x, int64_t M, int64_t K, int64_t s, bf16* xp) {
-  for (int64_t kb = 0; kb < K / 32; kb++) {
-    __m512i r[16];
-    for (int64_t m = 0; m < 16; m++)
-      r[m] = 16 * s + m < M ? _mm512_loadu_si512(x + (16 * s + m) * K + 32 * kb) : _mm512_setzero_si512();
-    attn_i8::transpose16(r);  // dword m of r[c]: pair c of row m
-    for (int64_t c = 0; c < 16; c++) _mm512_store_si512(xp + kb * 512 + c * 32, r[c]);
-  }
-}
 
 // 16 weight rows as tiles (wt[kb][n][32]) against S packed slices of x (`slice` elements
 // apart): c_out[256 q + 16 n + m] = sum_k W[n][k] x_q[m][k].
@@ -849,7 +851,8 @@ void linear_quant_amx(const bf16* x, const uint8_t* w, int64_t type, const bf16*
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t s = 0; s < slices; s++) pack_x_tiles(x, M, K, s, xp + s * slice);
+    for (int64_t s = 0; s < slices; s++)
+      pack_b_tiles(x + 16 * s * K, K, std::min<int64_t>(16, M - 16 * s), K, xp + s * slice);
     configure_tiles();
     std::unique_ptr<bf16, decltype(&free)> buffer(
         static_cast<bf16*>(aligned_alloc(64, 16 * K * sizeof(bf16))), &free);
@@ -1067,11 +1070,7 @@ void prefill_block(const bf16* q, int64_t q_stride, const bf16* pk, const bf16* 
   alignas(64) bf16 pt[2 * 512];         // P^T as B tiles: [32 keys][16 key pairs][16][2]
   alignas(64) bf16 pt_lo[2 * 512];      // what rounding P^T to pt left, in pt's layout
   alignas(64) float ot[256 * 16];        // O^T: [D][query]
-  uint32_t* qt32 = reinterpret_cast<uint32_t*>(qt);
-  for (int64_t c = 0; c < 16; c++) {
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(q + c * q_stride);
-    for (int64_t i = 0; i < D / 2; i++) qt32[(i / 16) * 256 + (i % 16) * 16 + c] = c < rows ? src[i] : 0;
-  }
+  pack_b_tiles(q, q_stride, rows, D, qt);
   memset(ot, 0, sizeof(float) * D * 16);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_pos)), lane);
