@@ -715,13 +715,33 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// S slices of x (row stride K) against n-tile `wt`: c_out[s] = slice s times the tile.
+// The accumulator tiles 0..S-1, each 16 x 16 floats, at c + 256 q in memory.
 template <int S>
-void amx_ntile(const bf16* const* slices, const bf16* wt, int64_t K, float* c_out) {
+inline void sums_zero() {
   _tile_zero(0);
   if (S > 1) _tile_zero(1);
   if (S > 2) _tile_zero(2);
   if (S > 3) _tile_zero(3);
+}
+template <int S>
+inline void sums_load(const float* c) {
+  _tile_loadd(0, c, 64);
+  if (S > 1) _tile_loadd(1, c + 256, 64);
+  if (S > 2) _tile_loadd(2, c + 512, 64);
+  if (S > 3) _tile_loadd(3, c + 768, 64);
+}
+template <int S>
+inline void sums_store(float* c) {
+  _tile_stored(0, c, 64);
+  if (S > 1) _tile_stored(1, c + 256, 64);
+  if (S > 2) _tile_stored(2, c + 512, 64);
+  if (S > 3) _tile_stored(3, c + 768, 64);
+}
+
+// S slices of x (row stride K) against n-tile `wt`: c_out[s] = slice s times the tile.
+template <int S>
+void amx_ntile(const bf16* const* slices, const bf16* wt, int64_t K, float* c_out) {
+  sums_zero<S>();
   const int64_t xs = K * 2;  // bytes between rows of x
   for (int64_t kb = 0; kb < K / 32; kb++) {
     // The weights stream from memory, and the prefetchers do not run far enough ahead of
@@ -737,10 +757,7 @@ void amx_ntile(const bf16* const* slices, const bf16* wt, int64_t K, float* c_ou
     if (S > 2) { _tile_loadd(4, slices[2] + kb * 32, xs); _tile_dpbf16ps(2, 4, 6); }
     if (S > 3) { _tile_loadd(5, slices[3] + kb * 32, xs); _tile_dpbf16ps(3, 5, 6); }
   }
-  _tile_stored(0, c_out, 64);
-  if (S > 1) _tile_stored(1, c_out + 256, 64);
-  if (S > 2) _tile_stored(2, c_out + 512, 64);
-  if (S > 3) _tile_stored(3, c_out + 768, 64);
+  sums_store<S>(c_out);
 }
 
 }  // namespace
@@ -823,10 +840,7 @@ namespace {
 // apart): c_out[256 q + 16 n + m] = sum_k W[n][k] x_q[m][k].
 template <int S>
 void amx_wtile(const bf16* wt, int64_t K, const bf16* xp, int64_t slice, float* c_out) {
-  _tile_zero(0);
-  if (S > 1) _tile_zero(1);
-  if (S > 2) _tile_zero(2);
-  if (S > 3) _tile_zero(3);
+  sums_zero<S>();
   for (int64_t kb = 0; kb < K / 32; kb++) {
     _tile_loadd(6, wt + kb * 512, 64);
     _tile_loadd(4, xp + kb * 512, 64);
@@ -835,10 +849,7 @@ void amx_wtile(const bf16* wt, int64_t K, const bf16* xp, int64_t slice, float* 
     if (S > 2) { _tile_loadd(4, xp + 2 * slice + kb * 512, 64); _tile_dpbf16ps(2, 6, 4); }
     if (S > 3) { _tile_loadd(5, xp + 3 * slice + kb * 512, 64); _tile_dpbf16ps(3, 6, 5); }
   }
-  _tile_stored(0, c_out, 64);
-  if (S > 1) _tile_stored(1, c_out + 256, 64);
-  if (S > 2) _tile_stored(2, c_out + 512, 64);
-  if (S > 3) _tile_stored(3, c_out + 768, 64);
+  sums_store<S>(c_out);
 }
 
 template <typename Y>
@@ -910,7 +921,7 @@ struct AmxProducts {
   static void begin() { configure_tiles(); }
   static void end() { _tile_release(); }
   static void scores(const bf16* qt, const bf16* kb0, int64_t D, float* st) {
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    sums_zero<4>();
     for (int64_t db = 0; db < D / 32; db++) {  // S^T = K Q^T, 16 keys per accumulator
       _tile_loadd(6, qt + db * 512, 64);
       _tile_loadd(4, kb0 + 0 * 16 * D + 32 * db, D * 2); _tile_dpbf16ps(0, 4, 6);
@@ -918,19 +929,13 @@ struct AmxProducts {
       _tile_loadd(4, kb0 + 2 * 16 * D + 32 * db, D * 2); _tile_dpbf16ps(2, 4, 6);
       _tile_loadd(5, kb0 + 3 * 16 * D + 32 * db, D * 2); _tile_dpbf16ps(3, 5, 6);
     }
-    _tile_stored(0, st, 64);
-    _tile_stored(1, st + 256, 64);
-    _tile_stored(2, st + 512, 64);
-    _tile_stored(3, st + 768, 64);
+    sums_store<4>(st);
   }
   static void values(const bf16* pt_hi, const bf16* pt_lo, const bf16* pv, int64_t keys_padded, int64_t key0,
                      int64_t D, float* ot) {
     for (const bf16* pt : {pt_hi, pt_lo})
     for (int64_t dg = 0; dg < D / 16; dg += 4) {
-      _tile_loadd(0, ot + 16 * 16 * (dg + 0), 64);
-      _tile_loadd(1, ot + 16 * 16 * (dg + 1), 64);
-      _tile_loadd(2, ot + 16 * 16 * (dg + 2), 64);
-      _tile_loadd(3, ot + 16 * 16 * (dg + 3), 64);
+      sums_load<4>(ot + 16 * 16 * dg);
       for (int64_t kb = 0; kb < 2; kb++) {
         _tile_loadd(6, pt + kb * 512, 64);
         const bf16* vt = pv + 16 * dg * keys_padded + key0 + 32 * kb;
@@ -940,10 +945,7 @@ struct AmxProducts {
         _tile_loadd(4, vt + 2 * next, vs); _tile_dpbf16ps(2, 4, 6);
         _tile_loadd(5, vt + 3 * next, vs); _tile_dpbf16ps(3, 5, 6);
       }
-      _tile_stored(0, ot + 16 * 16 * (dg + 0), 64);
-      _tile_stored(1, ot + 16 * 16 * (dg + 1), 64);
-      _tile_stored(2, ot + 16 * 16 * (dg + 2), 64);
-      _tile_stored(3, ot + 16 * 16 * (dg + 3), 64);
+      sums_store<4>(ot + 16 * 16 * dg);
     }
   }
 };
