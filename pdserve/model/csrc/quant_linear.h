@@ -185,19 +185,22 @@ inline __m128i fifth_bits(uint16_t b) {
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
 }
 
-// Q4_K/Q5_K: the 8 sub-blocks' 6-bit scales and mins, as ggml packs them in 12 bytes,
-// rearranged 4 at a time into bytes (ggml's get_scale_min_k4): out[j] sub-block j's scale,
-// out[8 + j] its min.
-inline void k4_scale_bytes(const uint8_t* packed, uint8_t out[16]) {
-  uint32_t u[4];
-  memcpy(u, packed, 12);
-  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-  const uint32_t mins_low = u[1] & low6;
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-  u[2] = mins_low;
-  u[0] &= low6;
-  memcpy(out, u, 16);
+// Q4_K/Q5_K: the 8 sub-blocks' 6-bit scales and mins, as ggml packs them in 12 bytes
+// (ggml's get_scale_min_k4), as 16 bytes: sub-block j's scale in byte j, its min in 8 + j.
+// Bytes 0-3 of the 12 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; 4-7
+// the same for the mins; 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7
+// (high nibble). Vector code: unpacked bit by bit in scalar code this cost a fifth of a
+// one-row Q4_K linear's time (bench/quant_linear_probe.py).
+inline __m128i k4_scale_bytes(const uint8_t* packed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));  // 12 bytes used
+  // low bits: scale j < 4 from byte j, j >= 4 from byte 4 + j; min j < 4 from 4 + j, j >= 4
+  // from the high nibble of 4 + j
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i low_bits = _mm_and_si128(_mm_blend_epi32(low, _mm_srli_epi16(low, 4), 0x8),
+                                         _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  // top 2 bits of scale j >= 4 from byte j - 4, of min j >= 4 from byte j, moved to bits 4-5
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  return _mm_or_si128(low_bits, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8(static_cast<char>(0xC0))), 2));
 }
 
 // A Q5_0/Q5_1 block {d; [m;] qh[4]; qs[16]}: its q as two 16-byte halves, with the scale a
@@ -228,8 +231,8 @@ inline void k_scales(const uint8_t* blk, float a[8][2], float c[8][2]) {
       }
   } else {  // d, dmin, then 6-bit scales and mins packed in 12 bytes
     const float d = half(blk), dmin = half(blk + 2);
-    uint8_t sm[16];
-    k4_scale_bytes(blk + 4, sm);
+    alignas(16) uint8_t sm[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sm), k4_scale_bytes(blk + 4));
     for (int j = 0; j < 8; j++) {
       a[j][0] = a[j][1] = d * static_cast<float>(sm[j]);
       c[j][0] = c[j][1] = -(dmin * static_cast<float>(sm[8 + j]));
@@ -386,13 +389,22 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + l), _MM_HINT_T1);
 }
 
+// The few-row loops hand out weight rows kRowChunk at a time, to whichever thread is free
+// (each chunk one sequential stream). An even split (schedule(static)) left the thread
+// that finished first waiting at the end of every linear: the two cores of a shared VM
+// rarely run at one speed. With chunks, libgomp's waits fell from 14% of a Llama-1B-shape
+// Q4_0 decode's samples to 4% (perf, AMX class) and from 17% to 12% of the default model's
+// with the AVX2 path forced, whose 1,500 tokens took 23.9 s against 27.7; 16-row chunks
+// measured no better than 64.
+constexpr int kRowChunk = 64;
+
 // y[m, n] for MT (<= 4) rows of x (floats) and every weight row n: one weight row at a
-// time, in storage order (one sequential stream a thread); each block is widened once and
-// used for every row of x, with kVecs independent FMA chains a row.
+// time, in storage order; each block is widened once and used for every row of x, with
+// kVecs independent FMA chains a row.
 template <typename T, int64_t kType, int MT, typename Y>
 void fused_rows(const float* x, const uint8_t* w, const T* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, kRowChunk)
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes(kType, K);
     V acc[MT][kVecs];
@@ -460,38 +472,39 @@ constexpr int64_t fused_max_rows() { return std::is_same_v<T, uint16_t> ? kFused
 // -> 31, Q4_1 28 -> 31, Q5_0 18.5 -> 34, Q8_0 33 -> 34 (memory-bound), Q4_K 32.8 -> 46,
 // Q5_K 27.5 -> 41, Q6_K 19.8 -> 32; llama.cpp ~43 on Q4_K.
 
-// All 8 sub-blocks' q of a K-quant super-block, 32 bytes each (sub-block j's weight l in
-// byte l of q[j]), from 256-bit loads: the layouts at `k_quants`.
+// A K-quant super-block's q as 4 pairs of sub-blocks, 64 bytes a pair: pair p holds
+// sub-block 2p's q in bytes 0-31 and 2p + 1's in 32-63 (weight l in byte l), the layouts
+// at `k_quants`. Each pair comes from one load and a shift per 256-bit half (Q4_K/Q5_K:
+// both halves are one 32-byte load's nibbles; Q6_K: the pair's low bits are one 64-byte
+// load), never from two 256-bit halves put together: a one-row Q4_K linear 1.2x, Q6_K 1.4x.
 template <int64_t kType>
-inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
-  const __m256i low4 = _mm256_set1_epi8(15);
-  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  if constexpr (kType == kQ6_K) {
-    const __m256i bits45 = _mm256_set1_epi8(0x30);
+inline void k_pairs(const uint8_t* blk, __m512i q[4]) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  auto broadcast32 = [](const uint8_t* p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  // shift counts for the 32-bit lanes of the pair's halves (bits a shift moves across bytes are masked)
+  auto halves = [](int first, int second) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(first), _mm256_set1_epi32(second), 1);
+  };
+  if constexpr (kType == kQ6_K) {  // pairs (4n, 4n + 1), (4n + 2, 4n + 3): ql[64n..] and qh[32n..]
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
     for (int n = 0; n < 2; n++) {
-      const __m256i ql0 = load(blk + 64 * n), ql1 = load(blk + 64 * n + 32);
-      const __m256i qh = load(blk + 128 + 32 * n);
-      // bits shift, shift + 1 of qh's bytes moved to bits 4-5 (one shift: what crosses a byte is masked)
-      auto high = [&](int shift) {
-        return _mm256_and_si256(shift <= 4 ? _mm256_slli_epi16(qh, 4 - shift) : _mm256_srli_epi16(qh, shift - 4), bits45);
-      };
-      q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), high(0));
-      q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), high(2));
-      q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), high(4));
-      q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4), high(6));
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
+      const __m512i qh = broadcast32(blk + 128 + 32 * n);
+      // qh's bits 2r, 2r + 1 for group r moved to bits 4-5
+      const __m512i high01 = _mm512_and_si512(_mm512_sllv_epi32(qh, halves(4, 2)), bits45);
+      const __m512i high23 = _mm512_and_si512(_mm512_srlv_epi32(qh, halves(0, 2)), bits45);
+      q[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, low4), high01);
+      q[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), high23);
     }
-  } else {
+  } else {  // pair p: qs[32p..32p + 31]'s low nibbles, then its high ones
     const uint8_t* qs = blk + (kType == kQ5_K ? 48 : 16);
     for (int p = 0; p < 4; p++) {
-      const __m256i v = load(qs + 32 * p);
-      q[2 * p] = _mm256_and_si256(v, low4);
-      q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
-    if constexpr (kType == kQ5_K) {
-      const __m256i qh = load(blk + 16), one = _mm256_set1_epi8(1);
-      for (int j = 0; j < 8; j++) {
-        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
-        q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(bit, 4));
+      q[p] = _mm512_and_si512(_mm512_srlv_epi32(broadcast32(qs + 32 * p), halves(0, 4)), low4);
+      if constexpr (kType == kQ5_K) {  // bit j of qh[l], as 16, for sub-block j
+        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(broadcast32(blk + 16), halves(2 * p, 2 * p + 1)), _mm512_set1_epi8(1));
+        q[p] = _mm512_or_si512(q[p], _mm512_slli_epi16(bit, 4));
       }
     }
   }
@@ -551,20 +564,32 @@ inline void split_x(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* s
   }
 }
 
-// A 32-weight format's block as 32 unsigned bytes (weight l in byte l), w = a q + c.
+// Two consecutive blocks of a 32-weight format as 64 unsigned bytes (the first block's
+// weight l in byte l, the second's in 32 + l), w = a q + c; with `second` false the row's
+// odd last block, bytes 32-63 zero. The blocks' bytes are put together before they are
+// unpacked, so each unpacking op takes both (one shift and one mask for 64 nibbles).
 template <int64_t kType>
-inline __m256i block_u8(const uint8_t* blk) {
+inline __m512i pair_u8(const uint8_t* blk, bool second) {
+  constexpr int bytes = static_cast<int>(block_bytes(kType));
   if constexpr (kType == kQ8_0) {
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+    const __m256i hi = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bytes + 2)) : _mm256_set1_epi8(-128);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))), hi, 1);
+    return _mm512_xor_si512(q, _mm512_set1_epi8(-128));
   } else {
     constexpr int at = kType == kQ4_0 ? 2 : kType == kQ4_1 ? 4 : kType == kQ5_0 ? 6 : 8;  // qs
-    // nibbles: qs in both halves, the upper one shifted down 4
-    const __m256i both = _mm256_broadcastsi128_si256(load16(blk + at));
-    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), _mm256_set1_epi8(15));
-    if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // bit l of qh: 16 in byte l
-      uint32_t qh;
-      memcpy(&qh, blk + at - 4, 4);
-      q = _mm256_or_si256(q, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+    // nibbles: each block's qs in two 16-byte quarters, the second shifted down 4
+    const __m256i first = _mm256_broadcastsi128_si256(load16(blk + at));
+    const __m256i next = second ? _mm256_broadcastsi128_si256(load16(blk + bytes + at)) : _mm256_setzero_si256();
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0);
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(first), next, 1), shift),
+                                 _mm512_set1_epi8(15));
+    if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // bit l of each qh: 16 in byte l
+      uint32_t qh[2] = {0, 0};
+      memcpy(&qh[0], blk + at - 4, 4);
+      if (second) memcpy(&qh[1], blk + bytes + at - 4, 4);
+      uint64_t bits;
+      memcpy(&bits, qh, 8);
+      q = _mm512_or_si512(q, _mm512_and_si512(_mm512_movm_epi8(bits), _mm512_set1_epi8(16)));
     }
     return q;
   }
@@ -595,10 +620,13 @@ inline __m512 k_scales16(const uint8_t* blk, float a[16]) {
     _mm512_store_ps(a, av);
     return _mm512_mul_ps(av, _mm512_set1_ps(-32.0f));
   } else {
-    uint8_t sm_bytes[16];
-    k4_scale_bytes(blk + 4, sm_bytes);
-    const __m512i bytes = _mm512_cvtepu8_epi32(load16(sm_bytes));
-    const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(half(blk)), _mm256_set1_ps(-half(blk + 2)), 1);
+    const __m512i bytes = _mm512_cvtepu8_epi32(k4_scale_bytes(blk + 4));
+    uint32_t d_dmin;  // d and dmin, both halves at once: d in lanes 0-7, -dmin in 8-15
+    memcpy(&d_dmin, blk, 4);
+    const __m512 dm = _mm512_xor_ps(
+        _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                              _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin))))),
+        _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(INT32_MIN), 1)));
     const __m512 sm = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(bytes));  // a[0..7], c[0..7]
     _mm512_store_ps(a, sm);
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), sm);
@@ -614,12 +642,12 @@ template <int64_t kType, int MT, typename Y>
 void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, const float* xsum32,
                    const uint8_t* w,
                    const uint16_t* bias, Y* y, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock;
+  const int64_t nb = K / kBlock, x_bytes = split_row_bytes(K);
   constexpr int kChains = MT < 4 ? 2 : 1;
   // lanes 0-7 take scale j, 8-15 scale j + 1 (Q6_K: 4-lane quarters, scales 2j..2j + 3)
   const __m512i pair_lanes = kType == kQ6_K ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                                             : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, kRowChunk)
   for (int64_t n = 0; n < N; n++) {
     const uint8_t* row = w + n * row_bytes(kType, K);
     __m512 acc[MT][kChains];
@@ -630,7 +658,7 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
     }
     // blocks b, b + 1 (b even) against row m of x, lane i times scale[i] (a times x's scale)
     auto dot2 = [&](int m, int64_t b, __m512i q, __m512 scale) {
-      const int8_t* xp = xq + split_offset(m, b, K);
+      const int8_t* xp = xq + m * x_bytes + 64 * b;  // split_offset(m, b, K), b even
       const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xp));
       const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), q, _mm512_loadu_si512(xp + 64));
       acc[m][b / 2 % kChains] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m][b / 2 % kChains]);
@@ -646,8 +674,8 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
         prefetch_ahead(blk, block_bytes(kType));
         alignas(64) float a[16];
         const __m512 cv = k_scales16<kType>(blk, a);
-        __m256i q[8];
-        k_quants32<kType>(blk, q);
+        __m512i q[4];
+        k_pairs<kType>(blk, q);
         __m512 ax[MT];  // a times x's scale: a sub-block's (Q6_K: a half's) in lane j
         for (int m = 0; m < MT; m++) {
           const __m256 xs = _mm256_loadu_ps(xscale + m * nb + 8 * sb);
@@ -655,9 +683,7 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
               ? _mm512_mul_ps(_mm512_load_ps(a), _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), _mm512_castps256_ps512(xs)))
               : _mm512_castps256_ps512(_mm256_mul_ps(_mm256_load_ps(a), xs));
         }
-        for (int j = 0; j < 8; j += 2)
-          step(8 * sb + j, _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1), ax,
-               kType == kQ6_K ? 2 * j : j);
+        for (int p = 0; p < 4; p++) step(8 * sb + 2 * p, q[p], ax, kType == kQ6_K ? 4 * p : 2 * p);
         for (int m = 0; m < MT; m++) off[m] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xsum + m * (K / 16) + sb * 16), off[m]);
       }
     } else {
@@ -677,9 +703,7 @@ void fused_rows_i8(const int8_t* xq, const float* xscale, const float* xsum, con
         }
         for (int j = 0; j < group; j += 2) {
           // the row's odd last block: bytes 32-63 of q zero (lanes 8-15 add 0 x a finite scale)
-          const __m256i second = j + 1 < group ? block_u8<kType>(blk + (j + 1) * block_bytes(kType)) : _mm256_setzero_si256();
-          step(b0 + j, _mm512_inserti64x4(_mm512_castsi256_si512(block_u8<kType>(blk + j * block_bytes(kType))), second, 1),
-               ax, j);
+          step(b0 + j, pair_u8<kType>(blk + j * block_bytes(kType), j + 1 < group), ax, j);
         }
       }
     }
@@ -747,16 +771,19 @@ template <int64_t kType>
 inline void k_block_bf16(const uint8_t* blk, uint16_t* out, int64_t stride) {
   alignas(64) float a[16], c[16];
   _mm512_store_ps(c, k_scales16<kType>(blk, a));
-  __m256i q[8];
-  k_quants32<kType>(blk, q);
-  for (int j = 0; j < 8; j++)
-    for (int h = 0; h < 2; h++) {
-      const __m128i half = h ? _mm256_extracti128_si256(q[j], 1) : _mm256_castsi256_si128(q[j]);
+  __m512i q[4];
+  k_pairs<kType>(blk, q);
+  for (int p = 0; p < 4; p++) {
+    const __m128i quarters[4] = {_mm512_castsi512_si128(q[p]), _mm512_extracti32x4_epi32(q[p], 1),
+                                 _mm512_extracti32x4_epi32(q[p], 2), _mm512_extracti32x4_epi32(q[p], 3)};
+    for (int i = 0; i < 4; i++) {  // weights 16 i.. of the pair: sub-block j = 2p + i / 2, half h = i % 2
+      const int j = 2 * p + i / 2, h = i % 2;
       const float scale = kType == kQ6_K ? a[2 * j + h] : a[j];
-      const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(half)),
+      const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[i])),
                                        _mm512_set1_ps(c[2 * j + h]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + stride * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
     }
+  }
 }
 #endif
 
