@@ -46,9 +46,11 @@ def add_parsers(bench_sub: Any) -> None:
         default="",
         help="comma-separated peers: hf, vllm, llamacpp (the same GGUF: llama-server "
         "--parallel N for N prompts, where bench/llamacpp/setup_server.sh built it, else one "
-        "request at a time), torch (pdserve on plain PyTorch ops), dense (pdserve, weights "
-        "dequantized), kv-int8 (pdserve with the 8-bit KV cache), batch-invariant (pdserve "
-        "with --batch-invariant), structured (pdserve, every request under a JSON schema)",
+        "request at a time), llamacpp-avx2 (llama.cpp built for the AVX2 class by LEVEL=avx2 "
+        "bench/llamacpp/setup.sh, one request at a time: beside PDSERVE_CPU_ISA=avx2), torch "
+        "(pdserve on plain PyTorch ops), dense (pdserve, weights dequantized), kv-int8 "
+        "(pdserve with the 8-bit KV cache), batch-invariant (pdserve with --batch-invariant), "
+        "structured (pdserve, every request under a JSON schema)",
     )
     off.add_argument("--threads", type=int, default=None)
     off.add_argument(

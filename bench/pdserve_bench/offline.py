@@ -235,6 +235,7 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 VLLM_VENV = _CHECKOUT / "bench" / ".venv-vllm"
 VLLM_SCRIPT = _CHECKOUT / "bench" / "vllm_cpu" / "run_vllm.py"
 LLAMACPP_VENV = _CHECKOUT / "bench" / ".venv-llamacpp"
+LLAMACPP_AVX2_VENV = _CHECKOUT / "bench" / ".venv-llamacpp-avx2"
 LLAMACPP_SCRIPT = _CHECKOUT / "bench" / "llamacpp" / "run_llamacpp.py"
 LLAMACPP_SETUP = _CHECKOUT / "bench" / "llamacpp" / "setup.sh"
 HF_EXPORT_CACHE = envs.cache_dir() / "hf"
@@ -324,20 +325,25 @@ class VllmRunner(SubprocessPeer):
 
 
 class LlamaCppRunner(SubprocessPeer):
-    """llama.cpp on the same GGUF file (bench/llamacpp/run_llamacpp.py in
-    bench/.venv-llamacpp): the Python binding, one request at a time."""
+    """llama.cpp on the same GGUF file (bench/llamacpp/run_llamacpp.py in `venv`, by
+    default bench/.venv-llamacpp): the Python binding, one request at a time."""
 
     name = "llama.cpp"
 
-    def __init__(self, args: argparse.Namespace, planned: Workload) -> None:
+    def __init__(
+        self, args: argparse.Namespace, planned: Workload, venv: Path | None = None
+    ) -> None:
         from pdserve.model.files import resolve_model_path
+
+        venv = venv or LLAMACPP_VENV
 
         path = resolve_model_path(args.model)
         if path.suffix != ".gguf":
             raise SystemExit("--compare llamacpp needs a GGUF model (--model default is one)")
-        python = LLAMACPP_VENV / "bin" / "python"
+        python = venv / "bin" / "python"
         if not python.exists():
-            raise SystemExit(f"--compare llamacpp: {python} not found: run {LLAMACPP_SETUP}")
+            level = "LEVEL=avx2 " if venv == LLAMACPP_AVX2_VENV else ""
+            raise SystemExit(f"--compare llamacpp: {python} not found: run {level}{LLAMACPP_SETUP}")
         threads = args.threads or torch.get_num_threads()
         repack = repack_allowed()
         config = {
@@ -349,8 +355,10 @@ class LlamaCppRunner(SubprocessPeer):
         super().__init__(python, LLAMACPP_SCRIPT, config, None)
         if not repack:
             print(REPACK_OFF_REASON)
+        if venv == LLAMACPP_AVX2_VENV:
+            self.name = "llama.cpp-avx2"
         if len(planned.prompts) > 1:
-            self.name = "llama.cpp-serial"
+            self.name += "-serial"
         print(
             f"llama-cpp-python {self.ready['version']} ({threads} threads; requests one at a "
             f"time), loaded in {self.ready['load_s']:.1f} s: {self.ready['system_info']}"
@@ -370,6 +378,13 @@ def llamacpp_runner(args: argparse.Namespace, planned: Workload) -> Runner:
             f"llama-server not built ({LLAMA_SERVER_SETUP}): llama.cpp runs the requests serially"
         )
     return LlamaCppRunner(args, planned)
+
+
+def llamacpp_avx2_runner(args: argparse.Namespace, planned: Workload) -> Runner:
+    """llama.cpp built for the AVX2 class (`LEVEL=avx2 bench/llamacpp/setup.sh`), the
+    binding, one request at a time: the peer of `PDSERVE_CPU_ISA=avx2` on a bigger CPU, which
+    a native build would run with the AVX-512 and VNNI an AVX2-class machine lacks."""
+    return LlamaCppRunner(args, planned, LLAMACPP_AVX2_VENV)
 
 
 def vllm_python() -> Path:
@@ -428,6 +443,7 @@ PEERS: dict[str, PeerFactory] = {
     "structured": pdserve_structured_runner,
     "vllm": VllmRunner,
     "llamacpp": llamacpp_runner,
+    "llamacpp-avx2": llamacpp_avx2_runner,
 }
 
 

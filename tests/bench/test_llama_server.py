@@ -109,3 +109,13 @@ def test_without_llama_server_the_binding_runs_them_serially(
     with pytest.raises(SystemExit, match=r"run .*bench/llamacpp/setup\.sh"):
         offline.llamacpp_runner(argparse.Namespace(model="default", threads=1), planned)
     assert "setup_server.sh): llama.cpp runs the requests serially" in capsys.readouterr().out
+
+
+def test_the_avx2_build_is_a_peer_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(offline, "LLAMACPP_AVX2_VENV", tmp_path / "missing-venv")
+    planned = offline.Workload("fixed", [[1, 2]], [3])
+    missing = r"missing-venv/bin/python not found: run LEVEL=avx2 .*setup\.sh"
+    with pytest.raises(SystemExit, match=missing):
+        offline.PEERS["llamacpp-avx2"](argparse.Namespace(model="default", threads=1), planned)
