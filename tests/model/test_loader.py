@@ -174,4 +174,6 @@ def test_freed_heap_memory_goes_back_to_the_os() -> None:
     )
     r = json.loads(out.stdout)
     assert r["released"] >= 250 << 20, r
-    assert r["before"] - r["after"] == r["released"]
+    # what it reports is what the RSS lost, up to the pages Python touches between the two
+    # readings (one 4 KB page once in a full suite run, 2026-12-05)
+    assert abs(r["before"] - r["after"] - r["released"]) <= 16 << 12, r
