@@ -97,8 +97,8 @@ def test_linear_is_the_dequantized_product(
     y = k.linear_quant(x, layer)
     dense = quant.dequantize(blocks, qtype, kk).double()
     # the float32 library's AVX2 build takes one row of x split in two bytes a weight, as
-    # the bf16 library does (quant_linear.h's split_one_row): its exact product is with x so
-    splits = k.isa == cpu_isa.CpuIsa.AVX2 and m == 1 and qtype != QuantType.Q8_0
+    # the bf16 library does (quant_linear.h's linear_split_one_row): its exact product is with x so
+    splits = k.isa == cpu_isa.CpuIsa.AVX2 and m == 1
     expected = (split_x(x) if splits else x.double()) @ dense.T + bias.double()
     assert y.dtype == k.dtype and y.shape == (m, n)
     step = 2**-8 if k.dtype == torch.bfloat16 else 2**-18  # float32: sums in another order

@@ -22,7 +22,7 @@
 // library takes integer dot products on the blocks' integers instead (VNNI), with x split
 // exactly enough to keep the answers (`split_x`: fixed point 2^-14 below each block's
 // largest, against bf16's own 2^-9), and so does the float32 library's AVX2 build at one
-// row of x (`split_one_row`: the AVX2 class's batch-1 decode; the AVX-512 float32 build,
+// row of x (`linear_split_one_row`: the AVX2 class's batch-1 decode; the AVX-512 float32 build,
 // the reference on development machines, always widens). llama.cpp quantizes x to one byte
 // a block; that path was built here and dropped: the rounding flipped near-tied greedy
 // tokens of the default model ("L'Etoile" for the capital of France).
@@ -768,8 +768,9 @@ void linear_fused_i8(const uint16_t* x, const uint8_t* w, int64_t type, const ui
 // is the AVX2 class's default and this is its fastest path; the AVX-512 float32 build, the
 // reference on development machines, keeps widening. More rows share each widened block
 // and keep widening too. No saturation: vpmaddubsw adds two products of q <= 63 and
-// |x2| <= 128 (2 x 63 x 128 < 2^15); Q8_0's q + 128 would saturate, so Q8_0 widens.
-constexpr bool split_one_row(int64_t type) { return type != kQ8_0; }
+// |x2| <= 128 (2 x 63 x 128 < 2^15). Q8_0's q + 128 would saturate there, so Q8_0 takes x
+// as 16-bit integers instead (256 x1 + x2, which fits: |x1| <= 65) and its signed q widened
+// to 16 bits, by vpmaddwd: 5 ops for 32 weights.
 
 // All 8 sub-blocks' q of a K-quant super-block, 32 bytes each (sub-block j's weight l in
 // byte l of q[j]), from 256-bit loads: the layouts at `k_quants` (k_pairs' AVX2 sibling).
@@ -810,8 +811,10 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
 
 
 // x [K] (float) as split_x leaves a row of bf16 x: x1/x2 bytes at split_offset(0, b),
-// scale[b] = s / 256, sum16 and sum32 of x as kept.
-inline void split_x_f32(const float* x, int64_t K, int8_t* q, float* scale, float* sum16, float* sum32) {
+// scale[b] = s / 256, sum16 and sum32 of x as kept; and, where `wide` is not null, the
+// same x as 16-bit integers 256 x1 + x2, block b's at wide + 32 b (for Q8_0).
+inline void split_x_f32(const float* x, int64_t K, int8_t* q, float* scale, float* sum16, float* sum32,
+                        int16_t* wide) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   // 4 vectors of int32 (32 values) to 32 bytes in order (packs work within 128-bit lanes)
@@ -832,6 +835,7 @@ inline void split_x_f32(const float* x, int64_t K, int8_t* q, float* scale, floa
     float s, inv;
     if (!split_scale(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), &s, &inv)) {
       split_zeros(out, b, scale, sum16, sum32);
+      if (wide) memset(wide + kBlock * b, 0, kBlock * sizeof(int16_t));
       continue;
     }
     scale[b] = s * (1.0f / 256);
@@ -850,6 +854,11 @@ inline void split_x_f32(const float* x, int64_t K, int8_t* q, float* scale, floa
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bytes(x1));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64), to_bytes(x2));
+    for (int h = 0; wide && h < 2; h++) {  // 16 values a vector (packs work within 128-bit lanes)
+      auto joined = [&](int i) { return _mm256_add_epi32(_mm256_slli_epi32(x1[i], 8), x2[i]); };
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(joined(2 * h), joined(2 * h + 1)), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + kBlock * b + 16 * h), packed);
+    }
     for (int h = 0; h < 2; h++)  // exact: 16 multiples of 2^-8 below 66
       sum16[2 * b + h] = s * vsum(_mm256_add_ps(kept[2 * h], kept[2 * h + 1]));
     sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
@@ -858,8 +867,8 @@ inline void split_x_f32(const float* x, int64_t K, int8_t* q, float* scale, floa
 
 // y[n] for one row of x split as above: each block's 32 q as bytes, dotted with x1 and x2.
 template <int64_t kType, typename T, typename Y>
-void split_row(const int8_t* xq, const float* xscale, const float* xsum16, const float* xsum32, const uint8_t* w,
-               const T* bias, Y* y, int64_t N, int64_t K) {
+void split_row(const int8_t* xq, const int16_t* x_wide, const float* xscale, const float* xsum16, const float* xsum32,
+               const uint8_t* w, const T* bias, Y* y, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock;
 #pragma omp parallel for schedule(dynamic, kRowChunk)
   for (int64_t n = 0; n < N; n++) {
@@ -910,7 +919,7 @@ void split_row(const int8_t* xq, const float* xscale, const float* xsum16, const
       }
     } else {
       constexpr int bytes = static_cast<int>(block_bytes(kType));
-      constexpr int at = kType == kQ4_0 ? 2 : kType == kQ4_1 ? 4 : kType == kQ5_0 ? 6 : 8;  // qs
+      constexpr int at = kType == kQ4_0 ? 2 : kType == kQ4_1 ? 4 : kType == kQ5_0 ? 6 : 8;  // qs (not Q8_0)
       // 8 blocks a step of scales: their d (and m) converted together, a times x's scale
       // kept for broadcasts from memory; a row's last, partial group reads zeros past it
       // (x's buffers are padded with zeros)
@@ -934,6 +943,7 @@ void split_row(const int8_t* xq, const float* xscale, const float* xsum16, const
         };
         const __m256 av = halves(0);
         const __m256 cv = kType == kQ4_1 || kType == kQ5_1 ? halves(1)
+                          : kType == kQ8_0                 ? _mm256_setzero_ps()  // w = d q
                                                            : _mm256_mul_ps(av, _mm256_set1_ps(kType == kQ4_0 ? -8.0f : -16.0f));
         alignas(32) float ax[8];
         _mm256_store_ps(ax, _mm256_mul_ps(av, _mm256_loadu_ps(xscale + b0)));
@@ -941,6 +951,15 @@ void split_row(const int8_t* xq, const float* xscale, const float* xsum16, const
         asm volatile("" : : "r"(ax) : "memory");  // broadcasts from memory, as in k_block_bf16
         for (int j = 0; j < group; j++) {
           const uint8_t* blk = blk0 + j * bytes;
+          if constexpr (kType == kQ8_0) {  // signed q in 16 bits against x as 16-bit integers
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+            const __m256i* xw = reinterpret_cast<const __m256i*>(x_wide + kBlock * (b0 + j));
+            const __m256i d = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_loadu_si256(xw)),
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_loadu_si256(xw + 1)));
+            acc[j % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(ax + j), acc[j % 2]);
+            continue;
+          }
           // nibbles: qs in both halves, the upper one shifted down 4
           __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(load16(blk + at)),
                                                          _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
@@ -967,16 +986,17 @@ void split_row(const int8_t* xq, const float* xscale, const float* xsum16, const
 template <typename T, typename Y>
 void linear_split_one_row(const float* x, const uint8_t* w, int64_t type, const T* bias, Y* y, int64_t N, int64_t K) {
   static thread_local std::vector<int8_t> xq;  // the calling thread's
+  static thread_local std::vector<int16_t> x_wide;
   static thread_local std::vector<float> xscale, xsum16, xsum32;
   xq.resize(split_row_bytes(K));
+  x_wide.resize(type == kQ8_0 ? K : 0);
   xscale.assign(K / kBlock + 8, 0.0f);  // + 8 zeros: split_row reads scales 8 blocks at a time
   xsum16.resize(K / 16);
   xsum32.assign(K / kBlock + 8, 0.0f);
-  split_x_f32(x, K, xq.data(), xscale.data(), xsum16.data(), xsum32.data());
+  split_x_f32(x, K, xq.data(), xscale.data(), xsum16.data(), xsum32.data(), type == kQ8_0 ? x_wide.data() : nullptr);
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
-    if constexpr (kType != kQ8_0)
-      split_row<kType>(xq.data(), xscale.data(), xsum16.data(), xsum32.data(), w, bias, y, N, K);
+    split_row<kType>(xq.data(), x_wide.data(), xscale.data(), xsum16.data(), xsum32.data(), w, bias, y, N, K);
   });
 }
 #endif
@@ -994,7 +1014,7 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    if (M == 1 && split_one_row(type)) {
+    if (M == 1) {
       linear_split_one_row(x, w, type, bias, y, N, K);
       return;
     }
