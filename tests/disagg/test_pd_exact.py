@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pdserve.launch import stop_all
-from tests.api.conftest import start_servers
+from tests.api.conftest import kv_counters, start_servers
 from tests.disagg.conftest import (
     Cluster,
     completion,
@@ -95,7 +95,16 @@ def test_greedy_tokens_and_logprobs_equal_the_single_node(
 ) -> None:
     cluster = exact_clusters(setting)
     split, whole = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
-    assert split == whole
+    # One full-suite run (2026-12-05, AMX class) saw [300-default]'s second logprob differ
+    # in the last bits, and never again alone or under load. A decode node that could not
+    # read (a lease or claim run out) recomputes the prompt, which differs so: the prefill
+    # node's counters of such handoffs and the decode node's computed prompt tokens say
+    # whether that happened.
+    decode = kv_counters(cluster.decode)
+    assert split == whole, (
+        kv_counters(cluster.prefill)["handoff_counters"],
+        {k: decode[k] for k in ("num_prompt_tokens_computed", "num_preemptions")},
+    )
     wait_idle(cluster.prefill, 2.0)
     wait_idle(cluster.decode, 2.0)
 
