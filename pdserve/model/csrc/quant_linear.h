@@ -990,9 +990,13 @@ void linear_split_one_row(const float* x, const uint8_t* w, int64_t type, const 
   static thread_local std::vector<float> xscale, xsum16, xsum32;
   xq.resize(split_row_bytes(K));
   x_wide.resize(type == kQ8_0 ? K : 0);
-  xscale.assign(K / kBlock + 8, 0.0f);  // + 8 zeros: split_row reads scales 8 blocks at a time
+  // + 8 zeros past the row's blocks: split_row reads scales and sums 8 blocks at a time
+  // (split_x_f32 writes every block's)
+  for (auto* v : {&xscale, &xsum32}) {
+    v->resize(K / kBlock + 8);
+    std::fill(v->end() - 8, v->end(), 0.0f);
+  }
   xsum16.resize(K / 16);
-  xsum32.assign(K / kBlock + 8, 0.0f);
   split_x_f32(x, K, xq.data(), xscale.data(), xsum16.data(), xsum32.data(), type == kQ8_0 ? x_wide.data() : nullptr);
   with_type(type, [&](auto type_tag) {
     constexpr int64_t kType = decltype(type_tag)::value;
