@@ -1040,6 +1040,17 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
   with_type(type, run);
 }
 
+// 32 weights of 4 bits (each q in a byte) as bf16 by a table: the 16 values a q can take,
+// a q + c for q = 0..15, computed by one fma and rounded once, then each weight looked up
+// by its q (`vpermw`). The same fma and rounding a weight as widening each (block_values,
+// the loop below), so the same bf16; ~half the vector ops: the per-weight widening to int32,
+// conversion, fma and rounding were most of a dequantized row's time (AMX class).
+inline __m512i nibble_lookup(float a, float c, __m256i q) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(a), iota, _mm512_set1_ps(c)));
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), _mm512_castsi256_si512(table));
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // A K-quant super-block's 256 weights as bf16, unpacked as the integer kernels unpack them
 // (all 8 sub-blocks' q by 256-bit ops, the scales by vector code): the same a q + c as
@@ -1056,6 +1067,15 @@ inline void k_block_bf16(const uint8_t* blk, uint16_t* out, int64_t stride) {
   asm volatile("" : : "r"(a), "r"(c) : "memory");
   __m512i q[4];
   k_pairs<kType>(blk, q);
+  if constexpr (kType == kQ4_K) {
+    for (int p = 0; p < 4; p++)
+      for (int i = 0; i < 2; i++) {  // sub-block j = 2p + i: bytes 32i.. of the pair
+        const int j = 2 * p + i;
+        const __m256i q32 = i ? _mm512_extracti64x4_epi64(q[p], 1) : _mm512_castsi512_si256(q[p]);
+        _mm512_storeu_si512(out + stride * j, nibble_lookup(a[j], c[2 * j], q32));
+      }
+    return;
+  }
   for (int p = 0; p < 4; p++) {
     const __m128i quarters[4] = {_mm512_castsi512_si128(q[p]), _mm512_extracti32x4_epi32(q[p], 1),
                                  _mm512_extracti32x4_epi32(q[p], 2), _mm512_extracti32x4_epi32(q[p], 3)};
@@ -1080,6 +1100,15 @@ inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out, 
     if constexpr (is_k_quant(kType) && std::is_same_v<T, uint16_t>) {
       for (int64_t sb = 0; sb < K / 256; sb++)
         k_block_bf16<kType>(row + sb * block_bytes(kType), out + 8 * sb * stride, stride);
+      return;
+    } else if constexpr ((kType == kQ4_0 || kType == kQ4_1) && std::is_same_v<T, uint16_t>) {
+      for (int64_t b = 0; b < K / kBlock; b++) {  // block_values' a and c; qs low nibbles first
+        const uint8_t* blk = row + b * block_bytes(kType);
+        const float a = half(blk), c = kType == kQ4_1 ? half(blk + 2) : a * -8.0f;
+        const __m128i qs = load16(blk + (kType == kQ4_1 ? 4 : 2)), low = _mm_set1_epi8(0x0F);
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+        _mm512_storeu_si512(out + b * stride, nibble_lookup(a, c, q));
+      }
       return;
     }
 #endif
