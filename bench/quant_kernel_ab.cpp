@@ -9,7 +9,6 @@
 //   g++ -O3 -march=native -fopenmp -std=c++17 -DOLD='"/tmp/old_quant_linear.h"' \
 //       bench/quant_kernel_ab.cpp -o /tmp/ab
 //   OMP_NUM_THREADS=1 /tmp/ab        # or: OMP_NUM_THREADS=2 /tmp/ab big
-//   OMP_NUM_THREADS=1 /tmp/ab dequantize   # dequantize_row into bf16 (the AMX linear's)
 //
 // Prints Gweights/s of each, new/old, and the largest difference of their outputs (0 when a
 // change keeps the products and the order of the sums). Needs AVX512-BF16 and VNNI.
@@ -89,59 +88,7 @@ void compare(const char* name, int64_t N, int64_t K, int reps) {
          N * K / best[0] / 1e9, N * K / best[1] / 1e9, best[0] / best[1], diff);
 }
 
-// The bf16 dequantizer (dequantize_row, as the AMX linear calls it: 16 rows into tile order),
-// old and new alternating, the order swapped every pass; one thread, rows past the L2. The
-// bytes of every 16-row group are compared.
-template <int64_t kType>
-void compare_dequantize(const char* name, int64_t N, int64_t K, int reps) {
-  std::mt19937 g(1);
-  const std::vector<uint8_t> w = random_rows<kType>(N, K, g);
-  const int64_t bytes = row_bytes(kType, K), stride = 16 * kBlock;
-  std::vector<uint16_t> out[2] = {std::vector<uint16_t>(16 * K), std::vector<uint16_t>(16 * K)};
-  auto run = [&](int version) {
-    for (int64_t n = 0; n < N; n++) {
-      uint16_t* o = out[version].data() + 32 * (n % 16);
-      if (version == 0)
-        old_version::quant::dequantize_row(w.data() + n * bytes, kType, K, o, stride);
-      else
-        dequantize_row(w.data() + n * bytes, kType, K, o, stride);
-    }
-  };
-  int64_t differ = 0;
-  for (int64_t n0 = 0; n0 + 16 <= N; n0 += 16) {  // each group, both versions
-    for (int version = 0; version < 2; version++)
-      for (int64_t n = n0; n < n0 + 16; n++) {
-        uint16_t* o = out[version].data() + 32 * (n % 16);
-        if (version == 0)
-          old_version::quant::dequantize_row(w.data() + n * bytes, kType, K, o, stride);
-        else
-          dequantize_row(w.data() + n * bytes, kType, K, o, stride);
-      }
-    differ += memcmp(out[0].data(), out[1].data(), out[0].size() * 2) != 0;
-  }
-  double best[2] = {1e9, 1e9};
-  for (int r = 0; r < reps; r++)
-    for (int i = 0; i < 2; i++) {
-      const int version = (r + i) % 2;
-      const auto start = std::chrono::steady_clock::now();
-      run(version);
-      best[version] = std::min(best[version], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-  printf("%-5s dequantize %5ld x %-5ld old %5.1f  new %5.1f Gweights/s  new/old %.2fx  16-row groups differing %ld\n",
-         name, N, K, N * K / best[0] / 1e9, N * K / best[1] / 1e9, best[0] / best[1], differ);
-}
-
 int main(int argc, char** argv) {
-  if (argc > 1 && strcmp(argv[1], "dequantize") == 0) {
-    for (int pass = 0; pass < 2; pass++) {  // 256 rows: in L2, the dequantizer's own speed
-      compare_dequantize<kQ4_0>("q4_0", 256, 4096, 40);
-      compare_dequantize<kQ4_1>("q4_1", 256, 4096, 40);
-      compare_dequantize<kQ4_1>("q4_1", 1024, 576, 40);
-      compare_dequantize<kQ4_K>("q4_k", 256, 4096, 40);
-      compare_dequantize<kQ6_K>("q6_k", 256, 4096, 40);  // unchanged: the harness's own noise
-    }
-    return 0;
-  }
   if (argc > 1 && strcmp(argv[1], "big") == 0) {  // 300-600 MB a matrix: past the L3
     compare<kQ4_K, 1>("q4_k", 524288, 2048, 6);
     compare<kQ4_K, 1>("q4_k", 32768, 14336, 6);
