@@ -1040,6 +1040,7 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
   with_type(type, run);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // 32 weights of 4 bits (each q in a byte) as bf16 by a table: the 16 values a q can take,
 // a q + c for q = 0..15, computed by one fma and rounded once, then each weight looked up
 // by its q (`vpermw`). The same fma and rounding a weight as widening each (block_values,
@@ -1051,7 +1052,6 @@ inline __m512i nibble_lookup(float a, float c, __m256i q) {
   return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), _mm512_castsi256_si512(table));
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // A K-quant super-block's 256 weights as bf16, unpacked as the integer kernels unpack them
 // (all 8 sub-blocks' q by 256-bit ops, the scales by vector code): the same a q + c as
 // k_subblocks', 1.3x faster for the linears of more than 7 rows (bench/quant_linear_probe.py
