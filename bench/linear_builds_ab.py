@@ -30,6 +30,8 @@ CASES = [  # (format, N, K): the default model's and the Llama-3.2-1B shape's la
     (QuantType.Q4_1, 576, 1536),
     (QuantType.Q4_K, 2048, 8192),
     (QuantType.Q4_K, 8192, 2048),
+    (QuantType.Q5_K, 2048, 8192),
+    (QuantType.Q5_0, 2048, 8192),
     (QuantType.Q6_K, 2048, 8192),
 ]
 

@@ -1041,15 +1041,26 @@ void linear_fused(const T* x, const uint8_t* w, int64_t type, const T* bias, Y* 
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// 32 weights of 4 bits (each q in a byte) as bf16 by a table: the 16 values a q can take,
-// a q + c for q = 0..15, computed by one fma and rounded once, then each weight looked up
-// by its q (`vpermw`). The same fma and rounding a weight as widening each (block_values,
-// the loop below), so the same bf16; ~half the vector ops: the per-weight widening to int32,
-// conversion, fma and rounding were most of a dequantized row's time (AMX class).
-inline __m512i nibble_lookup(float a, float c, __m256i q) {
+// 32 weights of kBits bits (each q in a byte) as bf16 by a table: the 2^kBits values a q can
+// take, a q + c for q = 0, 1, ..., computed by fmas and rounded once each, then every weight
+// looked up by its q (`vpermw`, 32 entries). The same fma and rounding a weight as widening
+// each (block_values, the loop below), so the same bf16, for about half the vector ops: the
+// per-weight widening to int32, conversion, fma and rounding were most of a dequantized
+// row's time (AMX class; bench/linear_builds_ab.py).
+template <int kBits>
+inline __m512i table_lookup(float a, float c, __m256i q) {
+  static_assert(kBits == 4 || kBits == 5, "vpermw looks up 32 entries");
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(a), iota, _mm512_set1_ps(c)));
-  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), _mm512_castsi256_si512(table));
+  const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
+  const __m512 low = _mm512_fmadd_ps(av, iota, cv);
+  __m512i table;
+  if constexpr (kBits == 4) {
+    table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(low));
+  } else {
+    const __m512 high = _mm512_fmadd_ps(av, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), cv);
+    table = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+  }
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table);
 }
 
 // A K-quant super-block's 256 weights as bf16, unpacked as the integer kernels unpack them
@@ -1067,12 +1078,12 @@ inline void k_block_bf16(const uint8_t* blk, uint16_t* out, int64_t stride) {
   asm volatile("" : : "r"(a), "r"(c) : "memory");
   __m512i q[4];
   k_pairs<kType>(blk, q);
-  if constexpr (kType == kQ4_K) {
+  if constexpr (kType == kQ4_K || kType == kQ5_K) {
     for (int p = 0; p < 4; p++)
       for (int i = 0; i < 2; i++) {  // sub-block j = 2p + i: bytes 32i.. of the pair
         const int j = 2 * p + i;
         const __m256i q32 = i ? _mm512_extracti64x4_epi64(q[p], 1) : _mm512_castsi512_si256(q[p]);
-        _mm512_storeu_si512(out + stride * j, nibble_lookup(a[j], c[2 * j], q32));
+        _mm512_storeu_si512(out + stride * j, table_lookup<kType == kQ4_K ? 4 : 5>(a[j], c[2 * j], q32));
       }
     return;
   }
@@ -1101,13 +1112,23 @@ inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out, 
       for (int64_t sb = 0; sb < K / 256; sb++)
         k_block_bf16<kType>(row + sb * block_bytes(kType), out + 8 * sb * stride, stride);
       return;
-    } else if constexpr ((kType == kQ4_0 || kType == kQ4_1) && std::is_same_v<T, uint16_t>) {
-      for (int64_t b = 0; b < K / kBlock; b++) {  // block_values' a and c; qs low nibbles first
+    } else if constexpr (kType != kQ8_0 && std::is_same_v<T, uint16_t>) {
+      for (int64_t b = 0; b < K / kBlock; b++) {  // block_values' q, a and c
         const uint8_t* blk = row + b * block_bytes(kType);
-        const float a = half(blk), c = kType == kQ4_1 ? half(blk + 2) : a * -8.0f;
-        const __m128i qs = load16(blk + (kType == kQ4_1 ? 4 : 2)), low = _mm_set1_epi8(0x0F);
-        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
-        _mm512_storeu_si512(out + b * stride, nibble_lookup(a, c, q));
+        __m256i q;
+        float a, c;
+        if constexpr (kType == kQ5_0 || kType == kQ5_1) {
+          __m128i halves[2];
+          float as[2], cs[2];
+          q5_block<kType>(blk, halves, as, cs);
+          q = _mm256_set_m128i(halves[1], halves[0]);
+          a = as[0], c = cs[0];
+        } else {  // Q4_0, Q4_1: weights 0-15 in the low nibbles
+          a = half(blk), c = kType == kQ4_1 ? half(blk + 2) : a * -8.0f;
+          const __m128i qs = load16(blk + (kType == kQ4_1 ? 4 : 2)), low = _mm_set1_epi8(0x0F);
+          q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+        }
+        _mm512_storeu_si512(out + b * stride, table_lookup<kType == kQ5_0 || kType == kQ5_1 ? 5 : 4>(a, c, q));
       }
       return;
     }
