@@ -546,7 +546,6 @@ inline void k_pairs(const uint8_t* blk, __m512i q[4]) {
   }
 }
 
-
 // x [M, K] split as above: per row m and 32-weight block b, the 32 bytes at
 // split_offset(m, b) are x1 and the 32 at 64 past them x2; with i = m K / 32 + b,
 // scale[i] = s / 256 (sum(q x) = scale * (256 sum(q x1) + sum(q x2))); sum16 [M, K / 16]
@@ -808,7 +807,6 @@ inline void k_quants32(const uint8_t* blk, __m256i q[8]) {
     }
   }
 }
-
 
 // x [K] (float) as split_x leaves a row of bf16 x: x1/x2 bytes at split_offset(0, b),
 // scale[b] = s / 256, sum16 and sum32 of x as kept; and, where `wide` is not null, the
@@ -1078,25 +1076,25 @@ inline void k_block_bf16(const uint8_t* blk, uint16_t* out, int64_t stride) {
   asm volatile("" : : "r"(a), "r"(c) : "memory");
   __m512i q[4];
   k_pairs<kType>(blk, q);
-  if constexpr (kType == kQ4_K || kType == kQ5_K) {
+  if constexpr (kType == kQ6_K) {  // 64 values, a scale per 16 weights: widened
+    for (int p = 0; p < 4; p++) {
+      const __m128i quarters[4] = {_mm512_castsi512_si128(q[p]), _mm512_extracti32x4_epi32(q[p], 1),
+                                   _mm512_extracti32x4_epi32(q[p], 2), _mm512_extracti32x4_epi32(q[p], 3)};
+      for (int i = 0; i < 4; i++) {  // weights 16 i.. of the pair: sub-block j = 2p + i / 2, half h = i % 2
+        const int j = 2 * p + i / 2, h = i % 2;
+        const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(a[2 * j + h]),
+                                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[i])),
+                                         _mm512_set1_ps(c[2 * j + h]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + stride * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
+      }
+    }
+  } else {  // Q4_K, Q5_K: by a table
     for (int p = 0; p < 4; p++)
       for (int i = 0; i < 2; i++) {  // sub-block j = 2p + i: bytes 32i.. of the pair
         const int j = 2 * p + i;
         const __m256i q32 = i ? _mm512_extracti64x4_epi64(q[p], 1) : _mm512_castsi512_si256(q[p]);
         _mm512_storeu_si512(out + stride * j, table_lookup<kType == kQ4_K ? 4 : 5>(a[j], c[2 * j], q32));
       }
-    return;
-  }
-  for (int p = 0; p < 4; p++) {
-    const __m128i quarters[4] = {_mm512_castsi512_si128(q[p]), _mm512_extracti32x4_epi32(q[p], 1),
-                                 _mm512_extracti32x4_epi32(q[p], 2), _mm512_extracti32x4_epi32(q[p], 3)};
-    for (int i = 0; i < 4; i++) {  // weights 16 i.. of the pair: sub-block j = 2p + i / 2, half h = i % 2
-      const int j = 2 * p + i / 2, h = i % 2;
-      const float scale = kType == kQ6_K ? a[2 * j + h] : a[j];
-      const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[i])),
-                                       _mm512_set1_ps(c[2 * j + h]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + stride * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
-    }
   }
 }
 #endif
@@ -1113,22 +1111,18 @@ inline void dequantize_row(const uint8_t* row, int64_t type, int64_t K, T* out, 
         k_block_bf16<kType>(row + sb * block_bytes(kType), out + 8 * sb * stride, stride);
       return;
     } else if constexpr (kType != kQ8_0 && std::is_same_v<T, uint16_t>) {
-      for (int64_t b = 0; b < K / kBlock; b++) {  // block_values' q, a and c
-        const uint8_t* blk = row + b * block_bytes(kType);
-        __m256i q;
-        float a, c;
-        if constexpr (kType == kQ5_0 || kType == kQ5_1) {
-          __m128i halves[2];
-          float as[2], cs[2];
-          q5_block<kType>(blk, halves, as, cs);
-          q = _mm256_set_m128i(halves[1], halves[0]);
-          a = as[0], c = cs[0];
-        } else {  // Q4_0, Q4_1: weights 0-15 in the low nibbles
-          a = half(blk), c = kType == kQ4_1 ? half(blk + 2) : a * -8.0f;
-          const __m128i qs = load16(blk + (kType == kQ4_1 ? 4 : 2)), low = _mm_set1_epi8(0x0F);
-          q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+      constexpr int64_t bytes = block_bytes(kType);
+      const int64_t nb = K / kBlock;
+      for (int64_t b = 0; b < nb; b += 2) {  // two blocks' q as fused_rows_i8 unpacks them
+        const uint8_t* blk = row + b * bytes;
+        const __m512i q = pair_u8<kType>(blk, b + 1 < nb);
+        for (int64_t h = 0; h < 2 && b + h < nb; h++) {  // block_values' a and c
+          const float a = half(blk + h * bytes);
+          const float c = kType == kQ4_1 || kType == kQ5_1 ? half(blk + h * bytes + 2)
+                                                           : a * (kType == kQ4_0 ? -8.0f : -16.0f);
+          const __m256i qb = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+          _mm512_storeu_si512(out + (b + h) * stride, table_lookup<kType == kQ4_0 || kType == kQ4_1 ? 4 : 5>(a, c, qb));
         }
-        _mm512_storeu_si512(out + b * stride, table_lookup<kType == kQ5_0 || kType == kQ5_1 ? 5 : 4>(a, c, q));
       }
       return;
     }
