@@ -20,9 +20,11 @@ import argparse
 import ctypes
 import time
 
+import numpy as np
 import torch
 
 from pdserve.model.quant import QuantType
+from pdserve_bench.synthetic_gguf import random_blocks
 
 AMX_TILES = 1 << 8  # cpu_kernels.AMX_TILES_FLAG
 CASES = [  # (format, N, K): the default model's and the Llama-3.2-1B shape's layers
@@ -34,23 +36,6 @@ CASES = [  # (format, N, K): the default model's and the Llama-3.2-1B shape's la
     (QuantType.Q5_0, 2048, 8192),
     (QuantType.Q6_K, 2048, 8192),
 ]
-
-
-def random_blocks(qtype: QuantType, n: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Random bytes with finite scales (random fp16 scales would include NaNs)."""
-    per_block = 256 if qtype.name.endswith("K") else 32
-    raw = torch.randint(
-        0, 256, (n, k // per_block, qtype.block_bytes), dtype=torch.uint8, generator=g
-    )
-    d = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    m = torch.tensor([0.005], dtype=torch.float16).view(torch.uint8)
-    if qtype == QuantType.Q6_K:
-        raw[:, :, 208:210] = d
-    else:
-        raw[:, :, 0:2] = d
-        if qtype in (QuantType.Q4_1, QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K):
-            raw[:, :, 2:4] = m
-    return raw.contiguous()
 
 
 def library_path() -> str:
@@ -79,17 +64,17 @@ def main() -> None:
     if not (args.old and args.new):
         p.error("give OLD and NEW library paths (or --path)")
     libs = [ctypes.CDLL(path) for path in (args.old, args.new)]
-    flag = 0
     for lib in libs:
         fn = lib.pd_linear_quant
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
         fn.restype = ctypes.c_int
-        flag = AMX_TILES if lib.pd_amx_available() and lib.pd_amx_init() == 0 else 0
-    g = torch.Generator().manual_seed(0)
+    amx = all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
+    flag = AMX_TILES if amx else 0
+    rng = np.random.default_rng(0)
     for rows in (int(v) for v in args.rows.split(",")):
         for qtype, n, k in CASES:
-            w = random_blocks(qtype, n, k, g)
+            w = torch.from_numpy(random_blocks(qtype.name, n, k, rng, random_scales=True))
             copies = [w.clone() for _ in range(max(1, 256 * 2**20 // w.numel()))]
             x = torch.randn(rows, k).to(torch.bfloat16)
             ys = [torch.empty(rows, n, dtype=torch.bfloat16) for _ in libs]
