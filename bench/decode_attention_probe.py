@@ -26,13 +26,6 @@ from pdserve.model import cpu_kernels, huge_pages, kv_format
 H, HKV, D, BLOCK = 9, 3, 64, 64
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t where the engine keeps its KV cache (`huge_pages.zeros`)."""
-    copy = huge_pages.zeros(tuple(t.shape), t.dtype)
-    copy.copy_(t)
-    return copy
-
-
 def best_seconds(
     run: Callable[[torch.Tensor], object], layers: list[torch.Tensor], repeat: int
 ) -> float:
@@ -67,7 +60,7 @@ def main() -> None:
             lens = torch.full((batch,), length)
             row = []
             for one in (cache, kv_format.quantize(cache)):
-                layers = [on_huge_pages(one) for _ in range(copies)]
+                layers = [huge_pages.Arena(chunk_bytes=0).copy_of(one) for _ in range(copies)]
                 attend = partial(_attend, k, q, tables=tables, lens=lens)
                 s = best_seconds(attend, layers, args.repeat)
                 row.append((s, one.nbytes / s / 1e9))
