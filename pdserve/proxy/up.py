@@ -1,6 +1,6 @@
 """`pdserve up`: a whole local P/D cluster in one command.
 
-launch the prefill and decode nodes (subprocesses, loopback, free ports)
+hold --port → launch the prefill and decode nodes (subprocesses, loopback, free ports)
 → wait until every node is healthy → serve the proxy on --port (this process)
 → Ctrl-C / SIGTERM: the proxy stops, then every node gets SIGTERM and drains (SIGKILL
 of this process: each node notices its parent gone, `--parent-pid`, and drains too)
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -107,7 +108,16 @@ def run(args: argparse.Namespace) -> int:
     env = {**LOCAL_UCX_ENV, **{k: v for k, v in os.environ.items() if k in LOCAL_UCX_ENV}}
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     nodes: list[Node] = []
-    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="pdserve-tls-") as certs:
+    try:
+        listener = listen(args.host, args.port)
+    except OSError as e:
+        print(f"pdserve up: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 1
+    with (
+        listener,
+        sigterm_as_interrupt(),
+        tempfile.TemporaryDirectory(prefix="pdserve-tls-") as certs,
+    ):
         tls = make_cluster_certs(Path(certs)).config() if args.tls else TLSConfig()
         try:
             for role in roles:
@@ -126,13 +136,29 @@ def run(args: argparse.Namespace) -> int:
             print(f"nodes: {listing}", flush=True)
             prefill = [n.url for n, r in zip(nodes, roles, strict=True) if r == "prefill"]
             decode = [n.url for n, r in zip(nodes, roles, strict=True) if r == "decode"]
-            code = asyncio.run(serve_proxy(args, prefill, decode, tls))
+            code = asyncio.run(serve_proxy(args, prefill, decode, tls, listener))
         except KeyboardInterrupt:
             code = 130
         finally:
             stop_all(nodes)
         # SIGTERM is a stop asked for (systemd, `kill`): 0 once everything stopped; Ctrl-C 130.
         return 0 if code == 130 and was_terminated() else code
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The proxy's socket, bound before any node starts. A node picks its own ports as free
+    ones (`launch.free_port`), and --port is free until the proxy binds it: CI lost a run
+    to a node that picked it. Bound first, a busy --port also fails at once, not after the
+    nodes have loaded their models."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def node_env() -> dict[str, str]:
@@ -177,16 +203,21 @@ def proxy_config(
 
 
 async def serve_proxy(
-    args: argparse.Namespace, prefill: list[str], decode: list[str], tls: TLSConfig
+    args: argparse.Namespace,
+    prefill: list[str],
+    decode: list[str],
+    tls: TLSConfig,
+    listener: socket.socket,
 ) -> int:
-    """The proxy in front of the nodes, until stopped, or for one `--ask`."""
+    """The proxy in front of the nodes, on `listener` (`listen`), until stopped, or for one
+    `--ask`."""
     config = proxy_config(args, prefill, decode, tls)
     server = uvicorn.Server(proxy_uvicorn_config(ProxyState(config)))
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
     url = f"{tls.scheme}://{args.host}:{args.port}"
     while not server.started:
         if serving.done():
-            return 1  # could not bind the port: uvicorn said why
+            return 1  # uvicorn could not start: it said why
         await asyncio.sleep(0.05)
     if args.ask is None:
         print_banner(url, args.api_key, tls.ca_certs)

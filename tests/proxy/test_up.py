@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +72,22 @@ def test_up_answers_a_chat_request_through_the_proxy_and_stops_everything(
     for url in urls:  # every node was stopped
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2, verify=False)
+
+
+def test_a_busy_port_fails_at_once_before_any_node_starts(tiny_model_dir: Any) -> None:
+    """`up` holds its port before it starts a node: no node can pick it (CI lost a run to
+    one that did), and a busy port fails in a second, not after the models have loaded."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
+               "--dtype", "float32", "--model", str(tiny_model_dir("llama"))]  # fmt: skip
+        started = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "starting" not in done.stdout and time.monotonic() - started < 20
 
 
 def _single_node_answer(cpu_level: str, question: str) -> str:
