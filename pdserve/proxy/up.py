@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         listener = listen(args.host, args.port)
     except OSError as e:
-        print(f"pdserve up: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        where = f"{args.host}:{args.port}"
+        print(f"pdserve up: cannot listen on {where}: {e.strerror}", file=sys.stderr)
         return 1
     with (
         listener,
