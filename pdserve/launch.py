@@ -56,6 +56,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     ports from that range on its own: every outgoing connection's source port, every bind
     to port 0 (UCX's listeners). One of those could take a port picked there in the second
     before the server binds it; CI lost a run to that ("address already in use").
+
+    Never the same port twice in one process: a cluster's nodes are launched one after
+    another, each binding its port a second or more after it was picked.
     """
     low = _ephemeral_low()
     for _ in range(100):
@@ -65,8 +68,14 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
-            return int(s.getsockname()[1])
+            picked = int(s.getsockname()[1])
+        if picked not in _handed_out:
+            _handed_out.add(picked)
+            return picked
     raise NodeError(f"no free port on {host}")
+
+
+_handed_out: set[int] = set()
 
 
 def _ephemeral_low() -> int:

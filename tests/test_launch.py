@@ -41,6 +41,20 @@ def test_a_port_something_holds_is_never_picked(
             launch.free_port()
 
 
+def test_a_port_is_handed_out_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nodes launched one after another bind their ports a second or more after picking
+    them: the second pick must not be the first, still unbound."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _range(monkeypatch, tmp_path, f"{port + 1} 60999")
+    monkeypatch.setattr(launch, "_LOWEST_PICKED", port)  # the only candidate
+    monkeypatch.setattr(launch, "_handed_out", set())
+    assert launch.free_port() == port
+    with pytest.raises(launch.NodeError, match="no free port"):
+        launch.free_port()
+
+
 @pytest.mark.parametrize("text", ["1024 65535", "not a range", ""])
 def test_without_room_below_the_range_the_kernel_picks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str
