@@ -1,9 +1,12 @@
-"""Two builds of the bf16 library timed against each other on the linear over blocks
+"""Two builds of a kernel library timed against each other on the linear over blocks
 (`pd_linear_quant`, AMX tiles flagged where the CPU has them), alternating call by call in
 one process, the order swapped every pass, weights from memory (256 MB of copies, as a
 step streams them), outputs compared to the bit.
 
-A change to a kernel that keeps its results should print "same" everywhere; an unchanged
+`--dtype float32` takes the float32 library (the one `PDSERVE_CPU_ISA` picks: `avx2` forces
+its AVX2 build) and adds its dense linear (`pd_linear_small` on float32 weights) as a case.
+A change to a kernel that keeps its results should print "same" everywhere, one that sums
+in another order the largest difference relative to the output's largest; an unchanged
 format is the control (its ratio is this machine's noise: 0.99-1.00x on the AMX class).
 Separate runs of one build drift 1.5x on the shared 2-core VMs, and a C++ harness linking
 both versions into one binary measured identical code up to 1.66x apart (code placement),
@@ -38,14 +41,14 @@ CASES = [  # (format, N, K): the default model's and the Llama-3.2-1B shape's la
 ]
 
 
-def library_path() -> str:
-    """The bf16 library of this checkout's sources, built if it is not yet."""
+def library_path(dtype: torch.dtype) -> str:
+    """The library of this checkout's sources for `dtype`, built if it is not yet."""
     from pdserve.model import cpu_kernels
     from pdserve.model.cpu_isa import effective
 
-    if cpu_kernels.load(torch.bfloat16) is None:
-        raise SystemExit(f"no bf16 kernels: {cpu_kernels.unavailable_reason(torch.bfloat16)}")
-    build = cpu_kernels.build_for(torch.bfloat16, effective())
+    if cpu_kernels.load(dtype) is None:
+        raise SystemExit(f"no {dtype} kernels: {cpu_kernels.unavailable_reason(dtype)}")
+    build = cpu_kernels.build_for(dtype, effective())
     assert build is not None
     return str(cpu_kernels._library_path(build))
 
@@ -57,40 +60,62 @@ def main() -> None:
     p.add_argument("--path", action="store_true", help="print this checkout's library path")
     p.add_argument("--rows", default="8,16,32")
     p.add_argument("--repeat", type=int, default=8)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.path:
-        print(library_path())
+        print(library_path(dtype))
         return
     if not (args.old and args.new):
         p.error("give OLD and NEW library paths (or --path)")
     libs = [ctypes.CDLL(path) for path in (args.old, args.new)]
+    P, I = ctypes.c_void_p, ctypes.c_int64
     for lib in libs:
-        fn = lib.pd_linear_quant
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
-        fn.restype = ctypes.c_int
-    amx = all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
+        lib.pd_linear_quant.argtypes = [P, P, I, P, P, I, I, I]  # x, w, type, bias, y, M, N, K
+        lib.pd_linear_quant.restype = ctypes.c_int
+        lib.pd_linear_small.argtypes = [P, P, P, P, I, I, I]  # x, w, bias, y, M, N, K
+    bf16 = dtype == torch.bfloat16
+    amx = bf16 and all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
     flag = AMX_TILES if amx else 0
     rng = np.random.default_rng(0)
+    cases: list[tuple[QuantType | None, int, int]] = list(CASES)
+    if not bf16:
+        cases += [(None, 2048, 8192), (None, 8192, 2048)]  # dense float32 weights
     for rows in (int(v) for v in args.rows.split(",")):
-        for qtype, n, k in CASES:
-            w = torch.from_numpy(random_blocks(qtype.name, n, k, rng, random_scales=True))
-            copies = [w.clone() for _ in range(max(1, 256 * 2**20 // w.numel()))]
-            x = torch.randn(rows, k).to(torch.bfloat16)
-            ys = [torch.empty(rows, n, dtype=torch.bfloat16) for _ in libs]
+        for qtype, n, k in cases:
+            if qtype is None:
+                w = torch.randn(n, k)
+            else:
+                w = torch.from_numpy(random_blocks(qtype.name, n, k, rng, random_scales=True))
+            copies = [w.clone() for _ in range(max(1, 256 * 2**20 // w.nbytes))]
+            x = torch.randn(rows, k).to(dtype)
+            ys = [torch.empty(rows, n, dtype=dtype) for _ in libs]
+
+            def call(i: int, c: torch.Tensor, qtype: QuantType | None = qtype, n: int = n,
+                     k: int = k, x: torch.Tensor = x) -> None:  # fmt: skip
+                y = ys[i].data_ptr()
+                if qtype is None:
+                    libs[i].pd_linear_small(x.data_ptr(), c.data_ptr(), None, y, rows, n, k)
+                else:
+                    libs[i].pd_linear_quant(x.data_ptr(), c.data_ptr(), int(qtype) | flag, None,
+                                            y, rows, n, k)  # fmt: skip
+
             best = [float("inf")] * 2
             for rep in range(args.repeat):
                 for i in (0, 1) if rep % 2 == 0 else (1, 0):
                     start = time.perf_counter()
                     for c in copies:
-                        libs[i].pd_linear_quant(x.data_ptr(), c.data_ptr(), int(qtype) | flag, None,
-                                                ys[i].data_ptr(), rows, n, k)  # fmt: skip
+                        call(i, c)
                     best[i] = min(best[i], (time.perf_counter() - start) / len(copies))
-            same = torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-            print(f"rows {rows:3d} {qtype.label} {n}x{k}: old {best[0] * 1e3:.3f} ms, "
+            if torch.equal(ys[0], ys[1]):
+                same = "same"
+            else:
+                a, b = ys[0].float(), ys[1].float()
+                same = f"differ by {((a - b).abs().max() / a.abs().max()).item():.1e} of the largest"
+            label = qtype.label if qtype is not None else "dense"
+            print(f"rows {rows:3d} {label} {n}x{k}: old {best[0] * 1e3:.3f} ms, "
                   f"new {best[1] * 1e3:.3f} ms, new/old {best[0] / best[1]:.2f}x, "
-                  f"{'same' if same else 'DIFFERENT'}", flush=True)  # fmt: skip
-
+                  f"{same}", flush=True)  # fmt: skip
 
 if __name__ == "__main__":
     main()

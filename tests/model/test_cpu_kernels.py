@@ -75,9 +75,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 2.0
     assert err <= ulps * step, f"max error {err:.2e} of row scale"
 
 
-# 1-4 rows: the bf16 small-M kernel's range; float32 takes up to FP32_MAX_M in tiles of 4
-# rows (5, 33: a short last tile). n = 130: weight rows beyond a multiple of the tile.
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33])
+# 1-4 rows: the bf16 small-M kernel's range; float32 takes up to FP32_MAX_M, in tiles of 4
+# rows (5: a short last tile) below 2 kLanes rows and in panels of 2 kLanes from there (16,
+# 33, 40, 57: full, padded and half panels on AVX2 and AVX-512). n = 130: weight rows beyond
+# a multiple of either tile.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 33, 40, 57])
 @pytest.mark.parametrize("n", [96, 130])
 def test_linear_small(k: Any, m: int, n: int) -> None:
     if m > k.small_m:

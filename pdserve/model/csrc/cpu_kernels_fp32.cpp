@@ -108,6 +108,105 @@ void linear_groups(const float* x, const float* w, const float* bias, float* y, 
     linear_group<1>(x, w + n * K, bias, y, M, N, K, n, false);
 }
 
+// ---------------------------------------------------------------------------------------
+// Dense weights at 2 kLanes rows of x and more (16 on AVX2, 32 on AVX-512): the register
+// tile above loads 4 x vectors for every 12 (AVX2) or 24 FMAs, and 16-128 rows of x (128
+// KB-4 MB) live in L2 or beyond. Here x is first copied transposed into panels of 2 kLanes
+// rows ([K][2 kLanes] floats; a last panel of kLanes rows where that covers the rest, rows
+// past M zero), and a tile is one panel against kPanelWeights weight rows: each step along
+// K loads the panel's 2 vectors and broadcasts one weight of each row for kPanelWeights x 2
+// FMAs (AVX2: 12 accumulators + 2 x + 1 weight = 15 registers; AVX-512: 24 + 3 of 32).
+// bench/linear_builds_ab.py --dtype float32 (AMX-class Xeon, 2026-12-05): 1.1-1.3x at 16
+// and 32 rows on the AVX2 build, 1.13-1.26x at 32 on the AVX-512 one. At fewer rows the
+// half-empty panels lost (8 rows: 0.67-0.81x on AVX-512). The linear over blocks keeps the
+// tile above: there panels measured 0.96-1.08x (the dequantized group is in L1 for it).
+//
+// Every output is one FMA chain along K (lane i of an accumulator is row i of the panel),
+// then + bias: its sums do not depend on the other rows, but they are not the tile's (8 or
+// 16 chains added at the end), so pd_linear_rows (--batch-invariant: one order for every
+// row count) stays on the tile.
+
+constexpr int kPanelWeights = kLanes == 16 ? 12 : 6;
+constexpr int64_t kPanelMinRows = 2 * kLanes;
+
+struct Panels {
+  int64_t count = 0, wide = 0;  // panels; the first `wide` hold 2 kLanes rows, a last one kLanes
+  std::unique_ptr<float, decltype(&free)> data{nullptr, &free};
+  const float* panel(int64_t p, int64_t K) const { return data.get() + p * K * 2 * kLanes; }
+};
+
+inline Panels pack_panels(const float* x, int64_t M, int64_t K) {
+  Panels out;
+  out.wide = M / (2 * kLanes) + (M % (2 * kLanes) > kLanes);
+  out.count = out.wide + (out.wide * 2 * kLanes < M);
+  out.data.reset(static_cast<float*>(aligned_alloc(64, out.count * K * 2 * kLanes * sizeof(float))));
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < out.count; p++) {
+    const int64_t width = (p < out.wide ? 2 : 1) * kLanes, m0 = p * 2 * kLanes;
+    float* dst = out.data.get() + p * K * 2 * kLanes;
+    for (int64_t i = 0; i < width; i++)
+      for (int64_t k = 0; k < K; k++) dst[k * width + i] = m0 + i < M ? x[(m0 + i) * K + k] : 0.0f;
+  }
+  return out;
+}
+
+// Rows m0..m0+rows-1 of y (one panel's) at weight rows n0..n0+R-1 (at w, K floats apart).
+template <int R, int V>
+inline void panel_tile(const float* xt, const float* w, const float* bias, float* y, int64_t N,
+                       int64_t K, int64_t n0, int64_t m0, int64_t rows) {
+  F acc[R][V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; v++) acc[r][v] = vec::zero();
+  for (int64_t k = 0; k < K; k++) {
+    F xv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; v++) xv[v] = vec::load(xt + (k * V + v) * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      const F b = vec::set1(w[r * K + k]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; v++) acc[r][v] = vec::fmadd(b, xv[v], acc[r][v]);
+    }
+  }
+  alignas(64) float lanes[V * kLanes];
+  for (int r = 0; r < R; r++) {
+    for (int v = 0; v < V; v++) vec::store(lanes + v * kLanes, acc[r][v]);
+    const float b = bias ? bias[n0 + r] : 0.0f;
+    for (int64_t i = 0; i < rows; i++) y[(m0 + i) * N + n0 + r] = lanes[i] + b;
+  }
+}
+
+// Every panel against the R weight rows at w (rows n0.. of y).
+template <int R>
+inline void panel_group(const Panels& xt, const float* w, const float* bias, float* y, int64_t M,
+                        int64_t N, int64_t K, int64_t n0) {
+  for (int64_t p = 0; p < xt.count; p++) {
+    const int64_t m0 = p * 2 * kLanes, rows = std::min<int64_t>(M - m0, 2 * kLanes);
+    if (p < xt.wide)
+      panel_tile<R, 2>(xt.panel(p, K), w, bias, y, N, K, n0, m0, rows);
+    else
+      panel_tile<R, 1>(xt.panel(p, K), w, bias, y, N, K, n0, m0, rows);
+  }
+}
+
+// Weight rows in groups of kPanelWeights split between the threads (a last short group a
+// row at a time), each read from memory by its first panel and from cache by the others.
+void linear_panels(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  const Panels xt = pack_panels(x, M, K);
+  const int64_t groups = (N + kPanelWeights - 1) / kPanelWeights;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t n0 = g * kPanelWeights;
+    if (n0 + kPanelWeights <= N)
+      panel_group<kPanelWeights>(xt, w + n0 * K, bias, y, M, N, K, n0);
+    else
+      for (int64_t n = n0; n < N; n++) panel_group<1>(xt, w + n * K, bias, y, M, N, K, n);
+  }
+}
+
 // One row of x (batch-1 decode) is bound by how fast the weights stream in, not by the
 // FMAs. One weight row at a time, in storage order, with kChainsM1 independent FMA chains
 // along K: each thread then reads a single sequential stream, which the hardware
@@ -154,8 +253,10 @@ void pd_linear_small(const float* x, const float* w, const float* bias, float* y
                      int64_t N, int64_t K) {
   if (M == 1)
     linear_m1(x, w, bias, y, N, K);
-  else
+  else if (M < kPanelMinRows)
     linear_groups<kR>(x, w, bias, y, M, N, K);
+  else
+    linear_panels(x, w, bias, y, M, N, K);
 }
 
 // The same product with every row in the register-tile loop, one row too: each row's
