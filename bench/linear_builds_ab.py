@@ -53,6 +53,17 @@ def library_path(dtype: torch.dtype) -> str:
     return str(cpu_kernels._library_path(build))
 
 
+def linear(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, qtype: QuantType | None,
+           flag: int, y: torch.Tensor) -> None:  # fmt: skip
+    """y = x w^T by `lib`: dense float32 weights where `qtype` is None."""
+    (rows, k), n = x.shape, y.shape[1]
+    if qtype is None:
+        lib.pd_linear_small(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, n, k)
+    else:
+        lib.pd_linear_quant(x.data_ptr(), w.data_ptr(), int(qtype) | flag, None, y.data_ptr(),
+                            rows, n, k)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", nargs="?")
@@ -69,11 +80,12 @@ def main() -> None:
     if not (args.old and args.new):
         p.error("give OLD and NEW library paths (or --path)")
     libs = [ctypes.CDLL(path) for path in (args.old, args.new)]
-    P, I = ctypes.c_void_p, ctypes.c_int64
+    ptr, num = ctypes.c_void_p, ctypes.c_int64
     for lib in libs:
-        lib.pd_linear_quant.argtypes = [P, P, I, P, P, I, I, I]  # x, w, type, bias, y, M, N, K
+        # (x, w, type, bias, y, M, N, K) and (x, w, bias, y, M, N, K)
+        lib.pd_linear_quant.argtypes = [ptr, ptr, num, ptr, ptr, num, num, num]
         lib.pd_linear_quant.restype = ctypes.c_int
-        lib.pd_linear_small.argtypes = [P, P, P, P, I, I, I]  # x, w, bias, y, M, N, K
+        lib.pd_linear_small.argtypes = [ptr, ptr, ptr, ptr, num, num, num]
     bf16 = dtype == torch.bfloat16
     amx = bf16 and all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
     flag = AMX_TILES if amx else 0
@@ -91,31 +103,23 @@ def main() -> None:
             x = torch.randn(rows, k).to(dtype)
             ys = [torch.empty(rows, n, dtype=dtype) for _ in libs]
 
-            def call(i: int, c: torch.Tensor, qtype: QuantType | None = qtype, n: int = n,
-                     k: int = k, x: torch.Tensor = x) -> None:  # fmt: skip
-                y = ys[i].data_ptr()
-                if qtype is None:
-                    libs[i].pd_linear_small(x.data_ptr(), c.data_ptr(), None, y, rows, n, k)
-                else:
-                    libs[i].pd_linear_quant(x.data_ptr(), c.data_ptr(), int(qtype) | flag, None,
-                                            y, rows, n, k)  # fmt: skip
-
             best = [float("inf")] * 2
             for rep in range(args.repeat):
                 for i in (0, 1) if rep % 2 == 0 else (1, 0):
                     start = time.perf_counter()
                     for c in copies:
-                        call(i, c)
+                        linear(libs[i], x, c, qtype, flag, ys[i])
                     best[i] = min(best[i], (time.perf_counter() - start) / len(copies))
             if torch.equal(ys[0], ys[1]):
                 same = "same"
             else:
                 a, b = ys[0].float(), ys[1].float()
-                same = f"differ by {((a - b).abs().max() / a.abs().max()).item():.1e} of the largest"
+                same = f"differ by {((a - b).abs().max() / a.abs().max()).item():.1e} of the most"
             label = qtype.label if qtype is not None else "dense"
             print(f"rows {rows:3d} {label} {n}x{k}: old {best[0] * 1e3:.3f} ms, "
                   f"new {best[1] * 1e3:.3f} ms, new/old {best[0] / best[1]:.2f}x, "
                   f"{same}", flush=True)  # fmt: skip
+
 
 if __name__ == "__main__":
     main()
