@@ -116,10 +116,10 @@ void linear_groups(const float* x, const float* w, const float* bias, float* y, 
 // past M zero), and a tile is one panel against kPanelWeights weight rows: each step along
 // K loads the panel's 2 vectors and broadcasts one weight of each row for kPanelWeights x 2
 // FMAs (AVX2: 12 accumulators + 2 x + 1 weight = 15 registers; AVX-512: 24 + 3 of 32).
-// bench/linear_builds_ab.py --dtype float32 (AMX-class Xeon, 2026-12-05): 1.1-1.3x at 16
-// and 32 rows on the AVX2 build, 1.13-1.26x at 32 on the AVX-512 one. At fewer rows the
+// bench/linear_builds_ab.py --dtype float32 (AMX-class Xeon, 2026-12-05): 1.16-1.32x at 16
+// and 32 rows on the AVX2 build, 1.15-1.31x at 32 and 64 on the AVX-512 one. At fewer rows
 // half-empty panels lost (8 rows: 0.67-0.81x on AVX-512). The linear over blocks keeps the
-// tile above: there panels measured 0.96-1.08x (the dequantized group is in L1 for it).
+// tile above: panels measured 0.96-1.08x there, within the noise (docs/benchmarks.md).
 //
 // Every output is one FMA chain along K (lane i of an accumulator is row i of the panel),
 // then + bias: its sums do not depend on the other rows, but they are not the tile's (8 or
