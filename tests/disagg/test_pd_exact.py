@@ -95,18 +95,13 @@ def test_greedy_tokens_and_logprobs_equal_the_single_node(
 ) -> None:
     cluster = exact_clusters(setting)
     split, whole = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
-    # One full-suite run (2026-12-05, AMX class) saw [300-default] differ in the last bits
-    # (-5.246014 against -5.246536), and one loop over tests/disagg under load
-    # [300-forced-avx2]; it passes far more often (alone, this file, 120 requests of this
-    # prompt to a single and a prefill node between random others): the cause is open.
-    # Its answer is one token (EOS), whose logprob comes from the prefill leg: so one node's
-    # prefill of the prompt differed, not the decode step. A decode node that cannot read
-    # (lease run out) recomputes the prompt and gives the same bits here (checked with a 7 s
-    # pause). In one process (LLM, this setup's options) the prompt gave the same bits 40
-    # times after random other requests, with prefix caching on and off and a busy core
-    # beside it, bf16 and AVX2 forced: not the history of one engine. If it happens again,
-    # the failure says which node strayed, whether it does so again, and whether a handoff
-    # went wrong.
+    # Rarely [300-*] differs in the last bits (-5.246014 against -5.246536, 2026-12-05): one
+    # node's prefill of the prompt (its one answer token's logprob is the prefill leg's).
+    # Not the handoff, nor one engine's history (same bits over 40 runs after random other
+    # requests, busy core, prefix caching on or off, and in 16 fresh processes); what does
+    # move the bits in this non-batch-invariant setup is how the prompt is chunked (299 + 1
+    # tokens, or chunks of 30 or fewer). docs/benchmarks.md has the details. On a mismatch
+    # the failure says which node strayed, whether it does so again, and the handoff counts.
     if split != whole:  # which node strayed, and does it again (a prefix-cache hit now)?
         decode = kv_counters(cluster.decode)
         again = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
