@@ -102,6 +102,7 @@ _SIGNATURES = {
     "pd_linear_quant": [_P, _P, _I, _P, _P, _I, _I, _I],
     "pd_dequantize": [_P, _I, _P, _I, _I],
     "pd_logits": [_P, _P, _I, _P, _P, _I, _I, _I],
+    "pd_panel_rows": [],
 }
 _RETURNS_INT = (
     "pd_decode_attention",
@@ -112,6 +113,7 @@ _RETURNS_INT = (
     "pd_linear_quant",
     "pd_dequantize",
     "pd_logits",
+    "pd_panel_rows",
 )
 
 
@@ -313,11 +315,14 @@ class CpuKernels:
         fn(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k)
         return y
 
-    @property
-    def one_row_loop(self) -> bool:
-        """True when one row takes a loop of its own (float32's `linear_m1`), inside the
-        one-call decode step too: a batch-invariant step of one row must run per op."""
-        return self.dtype == torch.float32
+    def own_loop(self, rows: int) -> bool:
+        """True when the small-M linear takes `rows` rows by a loop other than the
+        batch-invariant one's (float32: `linear_m1` at one row, panels of x from
+        `pd_panel_rows`), inside the one-call decode step too: a batch-invariant step of
+        those rows must run per op."""
+        if self.dtype != torch.float32:
+            return False
+        return rows == 1 or rows >= self._lib.pd_panel_rows()
 
     def quant_type(self, qtype: QuantType) -> int:
         """A block format as the kernels take it: with AMX, flagged so that rows past the

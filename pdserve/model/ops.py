@@ -200,7 +200,7 @@ class CpuKernelOps(TorchOps):
         t = x.shape[0]
         amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
         limit = self.k.quant_max_m if model.quantized else self.k.max_one_call_m
-        one_call = self.one_call and not (self.batch_invariant and t == 1 and self.k.one_row_loop)
+        one_call = self.one_call and not (self.batch_invariant and self.k.own_loop(t))
         table = None
         if one_call and not meta.prefills and t <= limit:
             table = self._layer_table(model, kv_cache, amx)

@@ -267,6 +267,10 @@ void pd_linear_rows(const float* x, const float* w, const float* bias, float* y,
   linear_groups<kR>(x, w, bias, y, M, N, K);
 }
 
+// The fewest rows pd_linear_small takes on panels (--batch-invariant steps of as many run
+// per op, on pd_linear_rows: cpu_kernels.py's own_loop).
+int pd_panel_rows() { return kPanelMinRows; }
+
 // Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
 int pd_linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias,
                     float* y, int64_t M, int64_t N, int64_t K) {
