@@ -26,8 +26,12 @@ from collections.abc import Callable
 import torch
 
 from pdserve.model.ops import CpuKernelOps
-from pdserve_bench.accuracy import REFERENCE, WeightFormat, plan_windows, score_pdserve
-from pdserve_bench.accuracy import _tokens as text_tokens
+from pdserve_bench.accuracy import (
+    WeightFormat,
+    plan_windows,
+    score_pdserve,
+    text_tokens,
+)
 
 BLOCK = 32
 PROMPTS = [
@@ -120,8 +124,7 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N")
     args = p.parse_args()
-    fmt = WeightFormat("f32-gguf", "float32", "auto")
-    assert fmt.dtype == REFERENCE.dtype
+    fmt = WeightFormat("f32-gguf", "float32", "auto")  # bench accuracy's
     tokens = text_tokens(args.model, args.max_tokens)
     windows = plan_windows(len(tokens), args.window, args.stride)
     print(

@@ -288,7 +288,7 @@ def _selected_formats(names: str) -> list[WeightFormat]:
     return [REFERENCE] + [by_name[n] for n in picked if n != REFERENCE.name]
 
 
-def _tokens(model: str, max_tokens: int | None) -> list[int]:
+def text_tokens(model: str, max_tokens: int | None) -> list[int]:
     """pdserve's tokenization of the text (a GGUF's own tokenizer, or a directory's
     tokenizer.json), which every system then scores as ids."""
     from pdserve.model.files import resolve_model_path
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
     for kv in kv_dtypes:
         kv_cache_options(kv)  # refuse an unsupported one before any model loads
-    token_ids = _tokens(args.model, args.max_tokens)
+    token_ids = text_tokens(args.model, args.max_tokens)
     windows = plan_windows(len(token_ids), args.window, args.stride)
     skip_llamacpp = "--no-llamacpp" if args.no_llamacpp else llamacpp_missing_reason(args.model)
     llamacpp, llamacpp_line = (
