@@ -106,8 +106,7 @@ def test_greedy_tokens_and_logprobs_equal_the_single_node(
         decode = kv_counters(cluster.decode)
         again = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
         pytest.fail(
-            f"split {split[1][:2]} != whole {whole[1][:2]}; asked again: split "
-            f"{again[0][1][:2]}, whole {again[1][1][:2]}; "
+            f"split {split} != whole {whole}; asked again: split {again[0]}, whole {again[1]}; "
             f"{kv_counters(cluster.prefill)['handoff_counters']}, "
             f"{ {k: decode[k] for k in ('num_prompt_tokens_computed', 'num_preemptions')} }"
         )
