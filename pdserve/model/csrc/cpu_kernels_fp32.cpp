@@ -132,7 +132,7 @@ constexpr int64_t kPanelMinRows = 2 * kLanes;
 struct Panels {
   int64_t count = 0, wide = 0;  // panels; the first `wide` hold 2 kLanes rows, a last one kLanes
   std::unique_ptr<float, decltype(&free)> data{nullptr, &free};
-  const float* panel(int64_t p, int64_t K) const { return data.get() + p * K * 2 * kLanes; }
+  float* panel(int64_t p, int64_t K) const { return data.get() + p * K * 2 * kLanes; }
 };
 
 inline Panels pack_panels(const float* x, int64_t M, int64_t K) {
@@ -143,7 +143,7 @@ inline Panels pack_panels(const float* x, int64_t M, int64_t K) {
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < out.count; p++) {
     const int64_t width = (p < out.wide ? 2 : 1) * kLanes, m0 = p * 2 * kLanes;
-    float* dst = out.data.get() + p * K * 2 * kLanes;
+    float* dst = out.panel(p, K);
     for (int64_t i = 0; i < width; i++)
       for (int64_t k = 0; k < K; k++) dst[k * width + i] = m0 + i < M ? x[(m0 + i) * K + k] : 0.0f;
   }
