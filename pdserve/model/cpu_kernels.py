@@ -257,6 +257,8 @@ class CpuKernels:
         library leaves prefill attention to SDPA."""
         self.k_multiple = 32 if self.dtype == torch.bfloat16 else 16
         """Inner (K) sizes the linear and the one-call path take are multiples of this."""
+        self._panel_rows = lib.pd_panel_rows() if hasattr(lib, "pd_panel_rows") else None
+        """The float32 library's: the fewest rows its small-M linear takes on panels."""
 
     def route(
         self, x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False
@@ -320,9 +322,9 @@ class CpuKernels:
         batch-invariant one's (float32: `linear_m1` at one row, panels of x from
         `pd_panel_rows`), inside the one-call decode step too: a batch-invariant step of
         those rows must run per op."""
-        if self.dtype != torch.float32:
+        if self._panel_rows is None:  # the bf16 library: one loop for every row count
             return False
-        return rows == 1 or rows >= self._lib.pd_panel_rows()
+        return rows == 1 or rows >= self._panel_rows
 
     def quant_type(self, qtype: QuantType) -> int:
         """A block format as the kernels take it: with AMX, flagged so that rows past the
