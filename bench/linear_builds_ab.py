@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from pdserve.model import cpu_kernels
 from pdserve.model.quant import QuantType
 from pdserve_bench.synthetic_gguf import random_blocks
 
@@ -43,7 +44,6 @@ CASES = [  # (format, N, K): the default model's and the Llama-3.2-1B shape's la
 
 def library_path(dtype: torch.dtype) -> str:
     """The library of this checkout's sources for `dtype`, built if it is not yet."""
-    from pdserve.model import cpu_kernels
     from pdserve.model.cpu_isa import effective
 
     if cpu_kernels.load(dtype) is None:
@@ -80,12 +80,10 @@ def main() -> None:
     if not (args.old and args.new):
         p.error("give OLD and NEW library paths (or --path)")
     libs = [ctypes.CDLL(path) for path in (args.old, args.new)]
-    ptr, num = ctypes.c_void_p, ctypes.c_int64
-    for lib in libs:
-        # (x, w, type, bias, y, M, N, K) and (x, w, bias, y, M, N, K)
-        lib.pd_linear_quant.argtypes = [ptr, ptr, num, ptr, ptr, num, num, num]
+    for lib in libs:  # the signatures the engine declares
+        for name in ("pd_linear_quant", "pd_linear_small"):
+            getattr(lib, name).argtypes = cpu_kernels._SIGNATURES[name]
         lib.pd_linear_quant.restype = ctypes.c_int
-        lib.pd_linear_small.argtypes = [ptr, ptr, ptr, ptr, num, num, num]
     bf16 = dtype == torch.bfloat16
     amx = bf16 and all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
     flag = AMX_TILES if amx else 0
