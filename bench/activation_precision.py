@@ -26,12 +26,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.model.ops import CpuKernelOps
-from pdserve_bench.accuracy import (
-    WeightFormat,
-    plan_windows,
-    score_pdserve,
-    text_tokens,
-)
+from pdserve_bench.accuracy import FORMATS, plan_windows, score_pdserve, text_tokens
 
 BLOCK = 32
 PROMPTS = [
@@ -88,9 +83,14 @@ def patched(
     take the per-op path (`pd_decode_layers` runs every linear in C, past the rounding),
     in every variant alike."""
     linear, logits, table = CpuKernelOps.linear, CpuKernelOps.logits, CpuKernelOps._layer_table
+
+    def undo() -> None:
+        CpuKernelOps.linear, CpuKernelOps.logits = linear, logits  # type: ignore[method-assign]
+        CpuKernelOps._layer_table = table  # type: ignore[method-assign]
+
     CpuKernelOps._layer_table = lambda *a: None  # type: ignore[method-assign]
     if round_x is None:
-        return lambda: setattr(CpuKernelOps, "_layer_table", table)
+        return undo
 
     def rounded_linear(self: CpuKernelOps, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         return linear(self, round_x(x), layer)
@@ -100,11 +100,6 @@ def patched(
 
     CpuKernelOps.linear = rounded_linear  # type: ignore[method-assign]
     CpuKernelOps.logits = head_logits  # type: ignore[method-assign]
-
-    def undo() -> None:
-        CpuKernelOps.linear, CpuKernelOps.logits = linear, logits  # type: ignore[method-assign]
-        CpuKernelOps._layer_table = table  # type: ignore[method-assign]
-
     return undo
 
 
@@ -124,7 +119,7 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N")
     args = p.parse_args()
-    fmt = WeightFormat("f32-gguf", "float32", "auto")  # bench accuracy's
+    [fmt] = [f for f in FORMATS if f.name == "f32-gguf"]
     tokens = text_tokens(args.model, args.max_tokens)
     windows = plan_windows(len(tokens), args.window, args.stride)
     print(
