@@ -13,8 +13,7 @@
   weights at half the speed), and a flash prefill attention (AMX tiles, or AVX512-BF16
   dot products). In float32 (`csrc/cpu_kernels_fp32.cpp`, AVX2 or AVX-512): the
   weight-streaming loop up to FP32_MAX_M rows (from 16 or 32 rows on panels of x),
-  prefill attention on SDPA. Prefill-sized
-  GEMMs stay on oneDNN/MKL.
+  prefill attention on SDPA. Prefill-sized GEMMs stay on oneDNN/MKL.
 
 The residual stream is carried as (x, delta): each layer's two norms first add the
 pending delta into x in place, which is what lets the kernel fuse add and norm.
