@@ -102,7 +102,6 @@ _SIGNATURES = {
     "pd_linear_quant": [_P, _P, _I, _P, _P, _I, _I, _I],
     "pd_dequantize": [_P, _I, _P, _I, _I],
     "pd_logits": [_P, _P, _I, _P, _P, _I, _I, _I],
-    "pd_panel_rows": [],
 }
 _RETURNS_INT = (
     "pd_decode_attention",
@@ -113,7 +112,6 @@ _RETURNS_INT = (
     "pd_linear_quant",
     "pd_dequantize",
     "pd_logits",
-    "pd_panel_rows",
 )
 
 
@@ -131,9 +129,9 @@ class PdLayer(ctypes.Structure):
 
 # layers, num_layers, x, delta, T, hidden, H, Hkv, D, inter, eps, scale, cos, sin,
 # positions, kv_format, s_block, s_kv, s_tok, slot blocks and offsets, block tables,
-# max_blocks, seq_lens, block_size.
+# max_blocks, seq_lens, block_size, batch_invariant.
 _SIGNATURES["pd_decode_layers"] = [ctypes.POINTER(PdLayer), *[_I, _P, _P], *[_I] * 6, _F, _F,
-                                   *[_P] * 3, *[_I] * 4, _P, _P, _P, _I, _P, _I]  # fmt: skip
+                                   *[_P] * 3, *[_I] * 4, _P, _P, _P, _I, _P, _I, _I]  # fmt: skip
 AMX_MAX_M = 128
 """Most rows the AMX linear takes. Against oneDNN on a decode step's weights (`pdserve
 bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
@@ -257,8 +255,6 @@ class CpuKernels:
         library leaves prefill attention to SDPA."""
         self.k_multiple = 32 if self.dtype == torch.bfloat16 else 16
         """Inner (K) sizes the linear and the one-call path take are multiples of this."""
-        self._panel_rows = lib.pd_panel_rows() if hasattr(lib, "pd_panel_rows") else None
-        """The float32 library's: the fewest rows its small-M linear takes on panels."""
 
     def route(
         self, x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False
@@ -307,8 +303,9 @@ class CpuKernels:
         batch_invariant: bool = False,
     ) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias) for few rows (`route` says "small").
-        `batch_invariant`: never the float32 library's one-row loop (four FMA chains
-        along K, 15% faster at batch 1 but summed in another order than two rows are)."""
+        `batch_invariant`: the float32 library's `pd_linear_rows`, one loop at every row
+        count, never its one-row loop (four FMA chains along K, 15% faster at batch 1) or
+        its panels from 2 vectors' rows (each summed in another order than the tile's)."""
         m, k = x.shape
         n = weight.shape[0]
         y = torch.empty((m, n), dtype=x.dtype)
@@ -316,15 +313,6 @@ class CpuKernels:
         fn = self._lib.pd_linear_rows if batch_invariant else self._lib.pd_linear_small
         fn(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k)
         return y
-
-    def own_loop(self, rows: int) -> bool:
-        """True when the small-M linear takes `rows` rows by a loop other than the
-        batch-invariant one's (float32: `linear_m1` at one row, panels of x from
-        `pd_panel_rows`), inside the one-call decode step too: a batch-invariant step of
-        those rows must run per op."""
-        if self._panel_rows is None:  # the bf16 library: one loop for every row count
-            return False
-        return rows == 1 or rows >= self._panel_rows
 
     def quant_type(self, qtype: QuantType) -> int:
         """A block format as the kernels take it: with AMX, flagged so that rows past the
@@ -493,12 +481,14 @@ class CpuKernels:
         slot_offsets: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         """Every layer of a decode-only step in one call: x [T, hidden] is the residual
         stream, updated in place; returns the last layer's delta. `layers` points into
         `kv_cache`, the whole cache. `layers` holds AMX-packed
         weights for T > `small_m` (up to AMX_MAX_M), none for T <= `small_m`. `shape` is
-        (heads, kv heads, head size, intermediate size)."""
+        (heads, kv heads, head size, intermediate size). `batch_invariant`: the dense
+        linears on the loop `linear` takes in that mode."""
         t, hidden = x.shape
         h, hkv, d, inter = shape
         delta = torch.empty_like(x)
@@ -507,7 +497,7 @@ class CpuKernels:
             eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
             kv_format.kernel_code(kv_cache.dtype), *kv_cache[:, 0].stride()[:3],
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[3],
+            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[3], batch_invariant,
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")

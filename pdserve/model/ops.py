@@ -195,13 +195,13 @@ class CpuKernelOps(TorchOps):
         same kernels on the same values as the per-op path, so bit-identical) when its rows
         fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
         prefill chunk in the step, more rows) runs per op. Batch-invariant: the AMX table
-        at every row count (the kernel `route` gives every linear)."""
+        at every row count (the kernel `route` gives every linear), and without AMX the
+        loop `CpuKernels.linear` takes in that mode, as one call too."""
         t = x.shape[0]
         amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
         limit = self.k.quant_max_m if model.quantized else self.k.max_one_call_m
-        one_call = self.one_call and not (self.batch_invariant and self.k.own_loop(t))
         table = None
-        if one_call and not meta.prefills and t <= limit:
+        if self.one_call and not meta.prefills and t <= limit:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, rope, kv_cache, meta)
@@ -212,6 +212,7 @@ class CpuKernelOps(TorchOps):
         return self.k.decode_layers(
             table, x, shape, model.arch.rms_norm_eps, attn.scale, cos, sin, positions,
             kv_cache, meta.slot_block_ids, meta.slot_offsets, block_tables, seq_lens,
+            self.batch_invariant,
         )  # fmt: skip
 
     def _layer_table(self, model: Any, kv_cache: torch.Tensor, amx: bool) -> Any:

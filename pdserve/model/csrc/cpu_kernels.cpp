@@ -657,7 +657,10 @@ int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers,
                      const float* sin, const int64_t* positions, int64_t kv_format,
                      int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
-                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
+                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
+                     int64_t /*batch_invariant*/) {
+  // One loop sums a row at every row count here (the caller picks AMX or not for the
+  // whole step): a batch-invariant step needs nothing of its own.
   static const paged::StepKernels<bf16> kernels{pd_add_rms_norm, step_linear,
                                                 pd_rotary_write_kv, pd_decode_attention,
                                                 pd_silu_mul};

@@ -267,10 +267,6 @@ void pd_linear_rows(const float* x, const float* w, const float* bias, float* y,
   linear_groups<kR>(x, w, bias, y, M, N, K);
 }
 
-// The fewest rows pd_linear_small takes on panels (--batch-invariant steps of as many run
-// per op, on pd_linear_rows: cpu_kernels.py's own_loop).
-int pd_panel_rows() { return kPanelMinRows; }
-
 // Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
 int pd_linear_quant(const float* x, const uint8_t* w, int64_t type, const float* bias,
                     float* y, int64_t M, int64_t N, int64_t K) {
@@ -380,7 +376,8 @@ int pd_decode_attention(const float* q, int64_t q_stride, const void* kv, int64_
 }
 
 // Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
-// pointers stay null here.
+// pointers stay null here. `batch_invariant`: the dense linears on pd_linear_rows, the
+// loop a batch-invariant step's per-op linears take too.
 static void step_linear(const float* x, const void* w, const float*, int64_t type,
                         const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (type)
@@ -389,20 +386,32 @@ static void step_linear(const float* x, const void* w, const float*, int64_t typ
     pd_linear_small(x, static_cast<const float*>(w), bias, y, M, N, K);
 }
 
+static void step_linear_rows(const float* x, const void* w, const float*, int64_t type,
+                             const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  if (type)
+    linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
+  else
+    pd_linear_rows(x, static_cast<const float*>(w), bias, y, M, N, K);
+}
+
 int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,
                      float* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
                      int64_t D, int64_t inter, float eps, float scale, const float* cos,
                      const float* sin, const int64_t* positions, int64_t kv_format,
                      int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
-                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size) {
+                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
+                     int64_t batch_invariant) {
   static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear,
                                                  pd_rotary_write_kv, pd_decode_attention,
                                                  pd_silu_mul};
-  return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
-                              inter, eps, scale, cos, sin, positions, kv_format, s_block,
-                              s_kv, s_tok, slot_blocks, slot_offsets, block_tables,
-                              max_blocks, seq_lens, block_size);
+  static const paged::StepKernels<float> invariant{pd_add_rms_norm, step_linear_rows,
+                                                   pd_rotary_write_kv, pd_decode_attention,
+                                                   pd_silu_mul};
+  return paged::decode_layers(batch_invariant ? invariant : kernels, layers, num_layers, x,
+                              delta_out, T, hidden, H, Hkv, D, inter, eps, scale, cos, sin,
+                              positions, kv_format, s_block, s_kv, s_tok, slot_blocks,
+                              slot_offsets, block_tables, max_blocks, seq_lens, block_size);
 }
 
 }  // extern "C"
