@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -136,13 +137,16 @@ class AsyncEngineClient:
                 if isinstance(message, Ready):
                     return message
             if not self._process.is_alive():
-                raise EngineDeadError(f"engine process exited ({self._process.exitcode})")
+                raise EngineDeadError(f"engine process {self._exit()}")
         raise EngineDeadError("engine process did not become ready in time")
 
     async def _read_outputs(self) -> None:
         while True:
             if not await self._from_engine.poll(1000):
                 if not self._process.is_alive():
+                    # The log says how (a signal: killed, or a crash in a kernel); clients
+                    # get the 503 without it.
+                    logger.error("engine process %s; failing its requests", self._exit())
                     self._fail_all("engine process died")
                     return
                 continue
@@ -163,6 +167,14 @@ class AsyncEngineClient:
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(item)
+
+    def _exit(self) -> str:
+        """How the engine process ended: its exit status, or the signal that ended it."""
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was ended by {signal.Signals(-code).name}"
+        return f"exited ({code})"
 
     def _fail_all(self, reason: str) -> None:
         self.dead = True

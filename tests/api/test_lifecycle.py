@@ -89,7 +89,9 @@ def test_sigterm_drain_timeout_aborts_with_503s_and_exits_zero() -> None:
     assert all('"finish_reason": null' in e for e in events[:-2])
 
 
-def test_engine_process_death_turns_into_503s_not_hangs() -> None:
+def test_engine_process_death_turns_into_503s_not_hangs(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     server = start_server("--num-kv-blocks", "256")
     try:
         pid = server.process.pid
@@ -123,6 +125,7 @@ def test_engine_process_death_turns_into_503s_not_hangs() -> None:
             time.sleep(0.1)
         after = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=10)
         assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+        assert "engine process was ended by SIGKILL" in capfd.readouterr().err  # the log says how
     finally:
         stop_server(server)
 
