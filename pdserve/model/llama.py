@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,12 +68,21 @@ class Rotary(nn.Module):
             self.compute_tables()
 
     def compute_tables(self) -> None:
-        """Fill the float32 cos/sin tables on the buffers' device (after a meta build)."""
+        """Fill the float32 cos/sin tables on the buffers' device (after a meta build).
+
+        The angles are float32 products, as Hugging Face computes them; their cos and sin
+        are taken in float64 by NumPy and rounded once, not by torch's float32 kernels. A
+        node computed this table at start-up with every cos from row 256 on off by up to
+        1.5e-4 (the half of the table torch's second thread takes, rarely, under load; the
+        other nodes and the same process later computed it right): every prompt longer than
+        256 tokens then differed on that node alone, which broke P/D's equality with one
+        node (docs/benchmarks.md). NumPy's float64 functions run on the calling thread."""
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(self.arch))
+        angles = torch.cat((freqs, freqs), dim=-1).numpy().astype(np.float64)
         device = self.cos.device
-        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, rope_inv_freq(self.arch).to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(device)
+        self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(device)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
