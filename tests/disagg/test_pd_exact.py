@@ -95,11 +95,10 @@ def test_greedy_tokens_and_logprobs_equal_the_single_node(
 ) -> None:
     cluster = exact_clusters(setting)
     split, whole = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
-    # Rarely [300-*] differs in the last bits: one node process computes this prompt
-    # differently for its whole life (the single node gave -5.246536 against -5.246014
-    # twice, also when asked again; 2026-12-05), rarely and under load, whatever the
-    # request's path: a numeric mode taken at start-up, not found yet. docs/benchmarks.md
-    # has what was ruled out. On a mismatch the failure shows both answers, asked twice.
+    # [300-*] once failed rarely, under load: one node's rotary cos table was off from row
+    # 256 on, set at its start-up (fixed in llama.py's Rotary.compute_tables; found with
+    # these 300-token prompts, docs/benchmarks.md). On a mismatch the failure shows both
+    # answers, asked twice, so a node that strays for its whole life shows itself.
     if split != whole:  # which node strayed, and does it again (a prefix-cache hit now)?
         decode = kv_counters(cluster.decode)
         again = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))

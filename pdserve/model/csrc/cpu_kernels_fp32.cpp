@@ -378,20 +378,15 @@ int pd_decode_attention(const float* q, int64_t q_stride, const void* kv, int64_
 // Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
 // pointers stay null here. `batch_invariant`: the dense linears on pd_linear_rows, the
 // loop a batch-invariant step's per-op linears take too.
+extern "C++" {
+template <void (*Dense)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t)>
 static void step_linear(const float* x, const void* w, const float*, int64_t type,
                         const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (type)
     linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
   else
-    pd_linear_small(x, static_cast<const float*>(w), bias, y, M, N, K);
+    Dense(x, static_cast<const float*>(w), bias, y, M, N, K);
 }
-
-static void step_linear_rows(const float* x, const void* w, const float*, int64_t type,
-                             const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  if (type)
-    linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
-  else
-    pd_linear_rows(x, static_cast<const float*>(w), bias, y, M, N, K);
 }
 
 int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,
@@ -402,10 +397,10 @@ int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
                      int64_t batch_invariant) {
-  static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear,
+  static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear<pd_linear_small>,
                                                  pd_rotary_write_kv, pd_decode_attention,
                                                  pd_silu_mul};
-  static const paged::StepKernels<float> invariant{pd_add_rms_norm, step_linear_rows,
+  static const paged::StepKernels<float> invariant{pd_add_rms_norm, step_linear<pd_linear_rows>,
                                                    pd_rotary_write_kv, pd_decode_attention,
                                                    pd_silu_mul};
   return paged::decode_layers(batch_invariant ? invariant : kernels, layers, num_layers, x,
