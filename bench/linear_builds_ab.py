@@ -80,10 +80,10 @@ def main() -> None:
     if not (args.old and args.new):
         p.error("give OLD and NEW library paths (or --path)")
     libs = [ctypes.CDLL(path) for path in (args.old, args.new)]
-    for lib in libs:  # the signatures the engine declares
+    for lib in libs:  # the signatures and return types the engine declares
         for name in ("pd_linear_quant", "pd_linear_small"):
             getattr(lib, name).argtypes = cpu_kernels._SIGNATURES[name]
-        lib.pd_linear_quant.restype = ctypes.c_int
+            getattr(lib, name).restype = ctypes.c_int if name in cpu_kernels._RETURNS_INT else None
     bf16 = dtype == torch.bfloat16
     amx = bf16 and all(lib.pd_amx_available() and lib.pd_amx_init() == 0 for lib in libs)
     flag = AMX_TILES if amx else 0

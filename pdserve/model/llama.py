@@ -78,11 +78,12 @@ class Rotary(nn.Module):
         256 tokens then differed on that node alone, which broke P/D's equality with one
         node (docs/benchmarks.md). NumPy's float64 functions run on the calling thread."""
         positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(self.arch))
-        angles = torch.cat((freqs, freqs), dim=-1).numpy().astype(np.float64)
+        angles = torch.outer(positions, rope_inv_freq(self.arch)).numpy().astype(np.float64)
         device = self.cos.device
-        self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(device)
-        self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(device)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        # A row's two halves are the same angles: taken once, then repeated.
+        self.cos = torch.from_numpy(np.concatenate((cos, cos), axis=1)).to(device)
+        self.sin = torch.from_numpy(np.concatenate((sin, sin), axis=1)).to(device)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
