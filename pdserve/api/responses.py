@@ -194,7 +194,12 @@ class ChoiceBuilder:
             if not (news or c.finished or (self.chat and c.index not in self._roles_sent)):
                 continue
             self._num_tokens_sent[c.index] = len(c.token_ids)
-            new_logprobs = c.logprobs[num_sent:] if c.logprobs is not None and new_ids else None
+            # A completion's first chunk carries its logprobs even with no token in it: the
+            # echoed prompt's, and the empty lists of `max_tokens: 0` (issue 52: the proxy,
+            # which assembles answers from streams, returned null for prompt scoring).
+            opens = not self.chat and c.index not in self._offsets
+            with_logprobs = c.logprobs is not None and (bool(new_ids) or opens)
+            new_logprobs = c.logprobs[num_sent:] if with_logprobs else None
             choice: dict[str, Any] = {
                 "index": self.index_base + c.index,
                 "finish_reason": c.finish_reason,
@@ -212,10 +217,9 @@ class ChoiceBuilder:
             else:
                 # The echo goes with the choice's first chunk, which comes once the prompt
                 # is computed (with its first token), and carries the prompt's logprobs.
-                first = c.index not in self._offsets
                 at = self._offsets.get(c.index, 0)
                 choice["text"], logprobs = self._text_and_logprobs(
-                    c.delta_text, new_logprobs, output, at, echo=first
+                    c.delta_text, new_logprobs, output, at, echo=opens
                 )
                 choice["logprobs"] = logprobs
                 self._offsets[c.index] = at + sum(map(len, logprobs["tokens"] if logprobs else ()))

@@ -8,6 +8,7 @@ tiny chat model (random weights, a byte-level tokenizer):
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterator
@@ -34,7 +35,8 @@ class Item(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def proxy(chat_model_dir: Path) -> Iterator[Server]:
+def nodes(chat_model_dir: Path) -> Iterator[tuple[Server, Server, Server]]:
+    """(proxy, prefill node, decode node)."""
     args = ["--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
             "--num-kv-blocks", "256", "--max-model-len", "2048"]  # fmt: skip
     prefill, decode = start_servers([*args, "--role", "prefill"], [*args, "--role", "decode"])
@@ -43,8 +45,13 @@ def proxy(chat_model_dir: Path) -> Iterator[Server]:
     except BaseException:
         stop_all([prefill, decode])
         raise
-    yield front
+    yield front, prefill, decode
     stop_all([front, prefill, decode])
+
+
+@pytest.fixture(scope="module")
+def proxy(nodes: tuple[Server, Server, Server]) -> Server:
+    return nodes[0]
 
 
 def test_parse_and_constraints_through_p_d(proxy: Server) -> None:
@@ -158,3 +165,173 @@ def test_evaluation_completions_through_p_d(proxy: Server) -> None:
     whole = client.completions.create(model=None, prompt=prompts, max_tokens=4, temperature=0)  # type: ignore[arg-type]
     assert texts == [c.text for c in whole.choices]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 8  # type: ignore[union-attr]
+
+
+# -- issue 52: every field of a completion, through the proxy, as one node gives it ---------
+#
+# The proxy reads every leg as a stream and assembles a non-streaming client's answer from
+# it, and it takes some calls down paths of their own (prompt scoring whole on a prefill
+# node, several prompts routed one by one). A field that one of those paths loses shows only
+# when the answer is compared with a node's field by field, on every combination: the
+# hand-picked checks above never asked for prompt logprobs with `max_tokens: 0`, the one
+# shape whose node stream carried no logprobs (its chunk had no new token).
+
+NOT_COMPARED = {"id", "created", "cached_tokens"}
+"""Per request (ids, clock), or per node state: the prefix cache a node holds decides
+`cached_tokens`, and the proxy's count is the prefill leg's."""
+
+
+def field_differences(expected: Any, got: Any, path: str = "") -> list[str]:
+    """Each place where `got` lacks, adds or changes a field of `expected` (floats within
+    1e-4: a prefix-cache hit may move a float32 logprob's last bits)."""
+    if isinstance(expected, dict) and isinstance(got, dict):
+        keys = (set(expected) | set(got)) - NOT_COMPARED
+        return [
+            d
+            for k in sorted(keys)
+            for d in (
+                [f"{path}.{k}: missing"] if k not in got
+                else [f"{path}.{k}: not in the node's answer"] if k not in expected
+                else field_differences(expected[k], got[k], f"{path}.{k}")
+            )
+        ]  # fmt: skip
+    if isinstance(expected, list) and isinstance(got, list):
+        if len(expected) != len(got):
+            return [f"{path}: {len(got)} items, expected {len(expected)}"]
+        return [d for i, (e, g) in enumerate(zip(expected, got, strict=True)) for d in
+                field_differences(e, g, f"{path}[{i}]")]  # fmt: skip
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return [] if abs(expected - got) <= 1e-4 else [f"{path}: {got!r}, expected {expected!r}"]
+    return [] if expected == got else [f"{path}: {got!r:.80}, expected {expected!r:.80}"]
+
+
+def assemble_stream(lines: list[str]) -> dict[str, Any]:
+    """A completions stream as the answer it stands for, assembled here (not by the proxy's
+    code under test): texts joined, logprobs' lists concatenated, the last finish and stop
+    reasons, the usage chunk's usage. `num_pieces`: the most chunks one choice came in."""
+    choices: dict[int, dict[str, Any]] = {}
+    answer: dict[str, Any] = {}
+    pieces: dict[int, int] = {}
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[len("data: ") :])
+        for key in ("object", "model"):
+            answer.setdefault(key, event[key])
+        if event.get("usage"):
+            answer["usage"] = event["usage"]
+        for piece in event["choices"]:
+            choice = choices.setdefault(piece["index"], {"index": piece["index"], "text": ""})
+            pieces[piece["index"]] = pieces.get(piece["index"], 0) + 1
+            choice["text"] += piece["text"]
+            for key in ("finish_reason", "stop_reason"):
+                if piece.get(key) is not None or key not in choice:
+                    choice[key] = piece.get(key)
+            lp = piece.get("logprobs")
+            if lp is not None:
+                old = choice.get("logprobs") or {k: [] for k in lp}
+                choice["logprobs"] = {k: old[k] + lp[k] for k in lp}
+            else:
+                choice.setdefault("logprobs", None)
+    answer["num_pieces"] = max(pieces.values(), default=0)
+    return {**answer, "choices": [choices[i] for i in sorted(choices)]}
+
+
+def _completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The answer to `body` at `url`, assembled here when it streams."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
+                      timeout=60) as r:  # fmt: skip
+        r.read()
+        assert r.status_code == 200, r.text
+        if not body.get("stream"):
+            return r.json()  # type: ignore[no-any-return]
+        return assemble_stream(r.text.splitlines())
+
+
+SCORING_PROMPTS = ["The capital of France is", "Two plus two is"]
+
+
+def _combinations() -> Iterator[dict[str, Any]]:
+    for echo in (False, True):
+        for logprobs in (None, 0, 2):
+            for max_tokens in (0, 1, 8):
+                for prompt in (SCORING_PROMPTS[0], SCORING_PROMPTS):
+                    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "echo": echo}  # fmt: skip
+                    yield body if logprobs is None else {**body, "logprobs": logprobs}
+
+
+def test_completion_fields_through_the_proxy_equal_one_nodes(
+    nodes: tuple[Server, Server, Server],
+) -> None:
+    """Issue 52: every combination of echo, logprobs, max_tokens in {0, 1, n} and one or
+    several prompts, streamed and not, through the proxy and as a node's own stream: the
+    same fields as the node's non-streaming answer (text, logprobs with their tokens, top
+    logprobs and text offsets, finish and stop reasons, usage)."""
+    proxy, _, node = nodes
+    failures, num_pieces = [], 0
+    for body in _combinations():
+        expected = _completion(node.url, body)
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        for where, url, ask in (("proxy", proxy.url, body), ("proxy, streamed", proxy.url,
+                                streamed), ("node, streamed", node.url, streamed)):  # fmt: skip
+            got = _completion(url, ask)
+            num_pieces = max(num_pieces, got.pop("num_pieces", 0))
+            if differences := field_differences(expected, got):
+                failures.append(f"{where} {json.dumps(body)}: {differences}")
+    assert not failures, "\n".join(failures)
+    # Answers that came in one chunk would not test how the chunks' fields are joined
+    # (a held-back UTF-8 character merges a random model's chunks): some must come in many.
+    assert num_pieces >= 4, num_pieces
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=API_KEY, max_retries=0)
+    scored = client.completions.create(model=None, prompt=SCORING_PROMPTS, echo=True,  # type: ignore[arg-type]
+                                       max_tokens=0, logprobs=1)  # fmt: skip
+    for choice, prompt in zip(scored.choices, SCORING_PROMPTS, strict=True):
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert len(choice.logprobs.token_logprobs) == len(prompt.encode())  # a byte a token
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path
+
+
+def test_field_comparison_catches_any_one_field_dropped(
+    nodes: tuple[Server, Server, Server],
+) -> None:
+    """The comparison above is only as good as the fields it walks: an answer missing any
+    one field of a node's answer (a key deleted, or a value nulled) is reported."""
+    _, _, node = nodes
+    body = {"prompt": SCORING_PROMPTS, "max_tokens": 2, "temperature": 0, "echo": True,
+            "logprobs": 2}  # fmt: skip
+    expected = _completion(node.url, body)
+    paths = [p for p in _leaves(expected) if not NOT_COMPARED & set(map(str, p))]
+    assert len(paths) > 50, paths
+    for path in paths:
+        for keep_key in (False, True):
+            dropped = copy.deepcopy(expected)
+            parent = dropped
+            for step in path[:-1]:
+                parent = parent[step]
+            if keep_key:
+                parent[path[-1]] = None
+            elif isinstance(parent, dict):
+                del parent[path[-1]]
+            else:
+                parent.pop(path[-1])
+            if expected_value_is_none := keep_key and _at(expected, path) is None:
+                continue
+            assert field_differences(expected, dropped), (path, keep_key, expected_value_is_none)
+
+
+def _at(value: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        value = value[step]
+    return value
