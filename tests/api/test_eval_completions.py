@@ -33,9 +33,26 @@ def _offsets_follow_tokens(logprobs: Any) -> None:
         assert offsets[k] == offsets[k - 1] + len(tokens[k - 1])
 
 
-def test_echoed_prompt_logprobs_are_what_sampling_saw(client: openai.OpenAI) -> None:
+def _scoring_tolerance(server: Server) -> float:
+    """How far a prompt's logprobs may sit from the ones sampling saw on this node. On the
+    AVX2 float32 kernels over GGUF blocks, a one-row step (sampling) takes x split into
+    fixed point 2^-14 below each block's largest while a prompt's rows (scoring) widen the
+    blocks (quant_linear.h): up to 1.2e-3 apart here (AVX2 class, 2026-12-07), and
+    test_quant bounds that path's distance to HF by 1e-2 for the same reason. Everywhere
+    else both widen the same blocks: float32 rounding."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    compute = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).json()
+    compute = compute["data"][0]["compute"]
+    splits_x = "(avx2" in compute["ops"] and not compute["quantization"].startswith("none")
+    return 1e-2 if splits_x and compute["dtype"] == "float32" else 1e-4
+
+
+def test_echoed_prompt_logprobs_are_what_sampling_saw(
+    client: openai.OpenAI, server: Server
+) -> None:
     """The prompt's logprobs of a text equal the logprobs its tokens had when the model
     sampled them: lm-eval's loglikelihood reads exactly these (`token_logprobs[ctx:-1]`)."""
+    atol = _scoring_tolerance(server)
     done = client.completions.create(
         model="default", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
         extra_body={"return_token_ids": True},
@@ -55,7 +72,7 @@ def test_echoed_prompt_logprobs_are_what_sampling_saw(client: openai.OpenAI) -> 
         assert scored.text.startswith(PROMPT + sampled.text)
         context = len(prompt_ids)
         echoed = lp.token_logprobs[context : len(whole)]
-        assert echoed == pytest.approx(sampled.logprobs.token_logprobs, abs=1e-4)  # type: ignore[union-attr]
+        assert echoed == pytest.approx(sampled.logprobs.token_logprobs, abs=atol)  # type: ignore[union-attr]
         assert [len(top) for top in lp.top_logprobs[1:]] == [2] * (len(lp.tokens or []) - 1)
         _offsets_follow_tokens(lp)
     assert scored.finish_reason == "length"
