@@ -21,6 +21,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml bench/pyproject.t
 	$(PY) -m pip install -q --no-deps -e .
 	# The benchmark harnesses (`pdserve bench offline|chaos|...`), a distribution of their own.
 	$(PY) -m pip install -q --no-deps -e bench
+	# llama.cpp's own HF-to-GGUF converter (from llama-cpp-python's sdist; 2 MB kept), which
+	# the model-family tests convert their tiny models with.
+	$(PY) -m pdserve_bench.llamacpp_convert fetch >/dev/null
 	touch $(STAMP)
 
 # A local proxy + prefill + decode cluster on the default model, one chat request through

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,35 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-TINY_ARCHS = ("llama", "qwen2", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")
+
+# What each family's tiny model sets beyond the common sizes: the features that make the
+# family differ (Gemma 3: five sliding layers, then a global one, as every Gemma 3 and as
+# llama.cpp lays out a GGUF file's, each kind with its own rotary base, the global one
+# scaled; Phi-3: half the head rotated, LongRoPE's short factors).
+_FAMILY_CONFIG: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 16},
+    "gemma3": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "num_hidden_layers": 6,
+        "sliding_window": 24,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    },
+    "phi3": {
+        "partial_rotary_factor": 0.5,
+        "pad_token_id": 0,
+        "original_max_position_embeddings": 512,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.5,
+        },
+    },
+}
 
 # Property-based tests of the HTTP surface (tests/api/test_http_properties.py,
 # tests/proxy/test_proxy_properties.py): `ci` is the suite's share, a few examples per
@@ -53,13 +82,27 @@ def save_tiny_hf_model(path: Path, arch: str, seed: int = 0, **sizes: int) -> Pa
         rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=arch == "qwen2",
+        tie_word_embeddings=arch in ("qwen2", "gemma3"),
     )
+    common.update(copy.deepcopy(_FAMILY_CONFIG.get(arch, {})))
     common.update(sizes)
+    if "hidden_size" in sizes and "head_dim" in common:  # heads follow the width asked for
+        common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
+        if "query_pre_attn_scalar" in common:
+            common["query_pre_attn_scalar"] = common["head_dim"]
+    rope = common.get("rope_parameters", {})
+    if rope.get("rope_type") == "longrope":  # a factor per rotated pair
+        head_dim = common["hidden_size"] // common["num_attention_heads"]
+        pairs = int(head_dim * rope["partial_rotary_factor"]) // 2
+        rope["short_factor"] = [1.0 + i / 2 for i in range(pairs)]
+        rope["long_factor"] = [2.0 * (i + 1) for i in range(pairs)]
     config, cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = cls(config(**common))
@@ -94,6 +137,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if arch not in made:
             made[arch] = save_tiny_hf_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
         return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_kernels_family(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`tiny_kernels_model`'s sizes in any family of TINY_ARCHS: family -> its directory."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"tiny-kernels-{family}")
+            made[family] = save_tiny_hf_model(path, family, hidden_size=128, intermediate_size=256)
+        return made[family]
 
     return get
 

@@ -784,7 +784,7 @@ class ModelBench:
         t_triton = timed(torch, dev, triton_run, 1) / iters
         keys = torch.arange(nb * self.bs, device=dev)
         mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf"))
-        group = DecodeGroup(None, tables.long(), mask.to(self.dtype)[:, None, None, :])
+        group = DecodeGroup(None, tables.long(), mask.to(self.dtype)[:, None, None, :], lens.long())
         scratch = torch.empty((2, batch * nb, *kv_layer.shape[2:]), dtype=self.dtype, device=dev)
         meta = AttentionMetadata(
             num_decode_tokens=batch,
@@ -869,7 +869,7 @@ def build_hf_model(config: dict[str, Any], model: Any, arch: Any, device: Any, d
     hf.load_state_dict(hf_state_dict(model, arch), strict=True)
     hf.eval()  # no .to(dtype): it would round the fp32 rotary buffer to bf16
     # The rotary frequencies must agree too (llama3 scaling goes through the config).
-    from pdserve.model.llama import rope_inv_freq
+    from pdserve.model.decoder import rope_inv_freq
 
     inv = getattr(getattr(hf.model, "rotary_emb", None), "inv_freq", None)
     if inv is not None:

@@ -298,7 +298,7 @@ def _attention(kernels: Any, arch: Any, args: argparse.Namespace) -> None:
             num_decode_tokens=batch,
             slot_block_ids=torch.empty(0, dtype=torch.long),
             slot_offsets=torch.empty(0, dtype=torch.long),
-            decode_groups=(DecodeGroup(None, tables, mask[:, None, None, :]),),
+            decode_groups=(DecodeGroup(None, tables, mask[:, None, None, :], lens),),
             decode_block_tables=tables,
             decode_seq_lens=lens,
             decode_kv_buffer=torch.empty(2, tables.numel(), bs, hkv, d, dtype=dtype),

@@ -198,8 +198,9 @@ class ChoiceBuilder:
             # echoed prompt's, and the empty lists of `max_tokens: 0` (issue 52: the proxy,
             # which assembles answers from streams, returned null for prompt scoring).
             opens = not self.chat and c.index not in self._offsets
-            with_logprobs = c.logprobs is not None and (bool(new_ids) or opens)
-            new_logprobs = c.logprobs[num_sent:] if with_logprobs else None
+            new_logprobs = None
+            if c.logprobs is not None and (new_ids or opens):
+                new_logprobs = c.logprobs[num_sent:]
             choice: dict[str, Any] = {
                 "index": self.index_base + c.index,
                 "finish_reason": c.finish_reason,

@@ -55,6 +55,8 @@ class DecodeGroup:
     """[n, max_blocks] int64, padded with block 0 (masked out)."""
     mask: torch.Tensor
     """[n, 1, 1, max_blocks * block_size] additive mask (0 or -inf) in the model dtype."""
+    seq_lens: torch.Tensor
+    """[n] int64 tokens each decode attends to (its new one included)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,10 @@ def decode_attention_gathered(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
-    """Decode tokens' attention into `out[:num_decode_tokens]`, one SDPA call per group.
+    """Decode tokens' attention into `out[:num_decode_tokens]`, one SDPA call per group;
+    with a `window`, over each token's last `window` keys only.
 
     q [T, H, D]; `kv_layer` is this layer's [num_blocks, 2, block_size, Hkv, D] view.
     """
@@ -127,8 +131,13 @@ def decode_attention_gathered(
         qd = q[:nd] if group.indices is None else q.index_select(0, group.indices)
         kd = _gather(k_cache, group.block_tables, q.dtype, meta.decode_kv_buffer, 0)
         vd = _gather(v_cache, group.block_tables, q.dtype, meta.decode_kv_buffer, 1)
+        mask = group.mask
+        if window:
+            keys = torch.arange(mask.shape[-1], device=mask.device)
+            early = keys[None, :] < (group.seq_lens - window)[:, None]
+            mask = mask.masked_fill(early[:, None, None, :], float("-inf"))
         od = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True
+            qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
         ).squeeze(2)
         if group.indices is None:
             out[:nd] = od
@@ -144,8 +153,10 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """Each prefill chunk's attention into its rows of `out`; the step's K/V are stored.
+    With a `window`, each token attends to its last `window` keys (itself included).
 
     q [T, H, D], k/v [T, Hkv, D] for the step's tokens (the chunks' rows are used).
     """
@@ -155,7 +166,14 @@ def prefill_attention(
         # 4-D [1, H, n, D] inputs: PyTorch's CPU flash kernel only takes batched ones and
         # falls back to the ~10x slower math path for 3-D.
         qc = q[s : s + n].transpose(0, 1).unsqueeze(0)
-        if not ctx:
+        if window and ctx + n > window:  # the window cuts: an explicit mask either way
+            kc = _gather(k_cache, chunk.block_table, q.dtype)[:, : ctx + n].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table, q.dtype)[:, : ctx + n].unsqueeze(0)
+            mask = causal_mask_with_context(n, ctx, q.device, window)
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        elif not ctx:
             kc = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vc = v[s : s + n].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(
@@ -172,9 +190,12 @@ def prefill_attention(
 
 
 def causal_mask_with_context(
-    num_tokens: int, num_context: int, device: torch.device
+    num_tokens: int, num_context: int, device: torch.device, window: int = 0
 ) -> torch.Tensor:
-    """Bottom-right causal mask: query i (at position context + i) sees keys 0..context+i."""
+    """Bottom-right causal mask: query i (at position context + i) sees keys 0..context+i,
+    or with a `window` only the last `window` of them."""
     q_pos = torch.arange(num_tokens, device=device).unsqueeze(1) + num_context
     k_pos = torch.arange(num_context + num_tokens, device=device).unsqueeze(0)
+    if window:
+        return (k_pos <= q_pos) & (k_pos > q_pos - window)
     return k_pos <= q_pos

@@ -94,7 +94,7 @@ _SIGNATURES = {
     "pd_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
     "pd_silu_mul": [_P, _P, _I, _I],
     "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
-    "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I],
     "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
     "pd_prefill_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _F, _I],
     "pd_amx_init": [],
@@ -422,8 +422,10 @@ class CpuKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """q [B, H, D] (rows may be strided) attending over the paged cache -> [B, H, D]."""
+        """q [B, H, D] (rows may be strided) attending over the paged cache -> [B, H, D];
+        with a `window`, over each sequence's last `window` keys only."""
         b, h, d = q.shape
         hkv = kv_layer.shape[3]
         out = torch.empty((b, h, d), dtype=q.dtype)
@@ -432,7 +434,7 @@ class CpuKernels:
         status = self._lib.pd_decode_attention(
             q.data_ptr(), q.stride(0), kv_layer.data_ptr(), fmt, s_block, s_kv, s_tok,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-            out.data_ptr(), b, h, hkv, d, kv_layer.shape[2], scale,
+            out.data_ptr(), b, h, hkv, d, kv_layer.shape[2], scale, window,
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"no decode-attention kernel for head size {d}")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
-from pdserve.model.llama import LlamaModel
+from pdserve.model.decoder import DecoderModel
 from pdserve.model.ops import TorchOps
 
 _COLUMNS = 5  # token id, position, slot block, slot offset, sequence length; then the table
@@ -49,7 +49,7 @@ def default_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: torch.Tensor,
         ops: TorchOps,
         block_size: int,
@@ -100,7 +100,7 @@ class DecodeGraphRunner:
             visible = keys[None, :] < seq_lens.clamp(min=1)[:, None]
             zero = torch.zeros((), dtype=self.kv_cache.dtype, device=self.device)
             mask = torch.where(visible, zero, float("-inf"))[:, None, None, :]
-            groups = (DecodeGroup(indices=None, block_tables=tables, mask=mask),)
+            groups = (DecodeGroup(None, block_tables=tables, mask=mask, seq_lens=seq_lens),)
         meta = AttentionMetadata(
             num_decode_tokens=batch,
             slot_block_ids=staged[:, 2].contiguous(),

@@ -1,9 +1,11 @@
-"""Read a GGUF file: architecture, tokenizer and dequantized weights in Hugging Face names.
+"""Read a GGUF file: architecture, tokenizer and dequantized weights in pdserve's names
+(Hugging Face's Llama names; `family.py` maps each family's llama.cpp names onto them).
 
 llama.cpp's converter permutes the Q and K projections of `llama`-architecture models so
 its rotary kernel can rotate interleaved pairs (x0,x1),(x2,x3)...; pdserve (like Hugging
-Face) rotates halves (x0,x_{d/2}),..., so those two weights are permuted back here.
-Without that step the model runs but its output is garbage.
+Face) rotates halves (x0,x_{d/2}),..., so those two weights are permuted back here
+(`Family.gguf_interleaved_qk`). Without that step the model runs but its output is
+garbage. The other families' files keep Hugging Face's order.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch
+from pdserve.model.family import GGUF_GLOBAL_NAMES, Family, family_for_gguf
 from pdserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -27,28 +30,8 @@ if TYPE_CHECKING:
 
     from pdserve.model.quant import QuantizedTensor
 
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-
-# GGUF per-layer tensor names -> Hugging Face names (prefix model.layers.N.).
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""LongRoPE's frequency factors (Phi-3): read into the architecture, not weights."""
 
 
 @dataclass(frozen=True)
@@ -164,26 +147,34 @@ class GGUFModelFile:
     def num_tensors(self) -> int:
         return len(self._tensors)
 
+    @property
+    def family(self) -> Family:
+        return family_for_gguf(self.fields.get("general.architecture"))
+
     def arch(self) -> ModelArch:
-        kind = self.fields.get("general.architecture")
-        if kind not in _GGUF_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported GGUF architecture {kind!r}; supported: {sorted(_GGUF_ARCHITECTURES)}"
-            )
+        family = self.family
+        kind = family.gguf_architecture
         if any(t.name == "rope_freqs.weight" for t in self._tensors):
             raise ModelLoadError("GGUF rope frequency tables (Llama 3.1) are not supported yet")
         f = self.fields
+        if f.get(f"{kind}.final_logit_softcapping") or f.get(f"{kind}.attn_logit_softcapping"):
+            raise ModelLoadError("logit soft-capping (Gemma 2) is not supported")
         try:
             num_heads = int(f[f"{kind}.attention.head_count"])
             hidden = int(f[f"{kind}.embedding_length"])
-            head_dim = int(f.get(f"{kind}.rope.dimension_count", hidden // num_heads))
+            num_layers = int(f[f"{kind}.block_count"])
+            head_dim = int(f.get(f"{kind}.attention.key_length", hidden // num_heads))
+            rotary = int(f.get(f"{kind}.rope.dimension_count", head_dim))
             tokens = f.get("tokenizer.ggml.tokens") or []
+            scale = None
+            if num_layers in family.gguf_scale_by_hidden_at:
+                scale = (hidden // num_heads) ** -0.5
             return ModelArch(
-                architecture=_GGUF_ARCHITECTURES[kind],
+                architecture=family.name,
                 vocab_size=int(f.get(f"{kind}.vocab_size", len(tokens))),
                 hidden_size=hidden,
                 intermediate_size=int(f[f"{kind}.feed_forward_length"]),
-                num_layers=int(f[f"{kind}.block_count"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(f.get(f"{kind}.attention.head_count_kv", num_heads)),
                 head_dim=head_dim,
@@ -191,23 +182,71 @@ class GGUFModelFile:
                 rope_theta=float(f.get(f"{kind}.rope.freq_base", 10000.0)),
                 max_position_embeddings=int(f.get(f"{kind}.context_length", 4096)),
                 tie_word_embeddings=not any(t.name == "output.weight" for t in self._tensors),
-                attention_bias=kind == "qwen2",
+                attention_bias=family.qkv_bias,
+                rope_scaling=self._rope_scaling(kind),
                 bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(
                     int(f[k])
                     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                     if k in f
                 ),
+                rotary_dim=rotary if rotary != head_dim else None,
+                attention_scale=scale,
+                layer_windows=self._layer_windows(family, num_layers),
+                sliding_rope_theta=(
+                    float(f.get(f"{kind}.rope.freq_base_swa", 10000.0))
+                    if family.sliding_rope
+                    else None
+                ),
             )
         except KeyError as e:
             raise ModelLoadError(f"GGUF metadata lacks {e}") from e
+
+    def _layer_windows(self, family: Family, num_layers: int) -> tuple[int, ...]:
+        """Each layer's sliding window, as llama.cpp lays them out: an explicit pattern
+        (a flag per layer, or every n-th layer full), else the family's."""
+        kind = family.gguf_architecture
+        window = int(self.fields.get(f"{kind}.attention.sliding_window", 0))
+        if not window:
+            return ()
+        pattern = self.fields.get(f"{kind}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            return tuple(window if bool(p) else 0 for p in pattern)
+        n = int(pattern) if pattern is not None else family.gguf_sliding_pattern
+        return tuple(window if n == 0 or i % n < n - 1 else 0 for i in range(num_layers))
+
+    def _rope_scaling(self, kind: str | None) -> tuple[tuple[str, Any], ...] | None:
+        """Linear scaling (`rope.scaling.type`), or LongRoPE from its factor tensors."""
+        f = self.fields
+        factors = {t.name: t for t in self._tensors if t.name in _ROPE_FACTORS}
+        if factors:
+            long, short = (np.asarray(factors[n].data, np.float32).tolist() for n in _ROPE_FACTORS)
+            scaling: dict[str, Any] = {
+                "rope_type": "longrope",
+                "long_factor": long,
+                "short_factor": short,
+                "original_max_position_embeddings": int(
+                    f[f"{kind}.rope.scaling.original_context_length"]
+                ),
+                "max_position_embeddings": int(f.get(f"{kind}.context_length", 4096)),
+            }
+            if f"{kind}.rope.scaling.attn_factor" in f:
+                scaling["attention_factor"] = float(f[f"{kind}.rope.scaling.attn_factor"])
+            return tuple(sorted(scaling.items()))
+        kind_of_scaling = f.get(f"{kind}.rope.scaling.type", "none")
+        if kind_of_scaling == "none":
+            return None
+        if kind_of_scaling != "linear":
+            raise ModelLoadError(f"GGUF rope scaling {kind_of_scaling!r} is not supported yet")
+        return (("factor", float(f[f"{kind}.rope.scaling.factor"])), ("rope_type", "linear"))
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_fields(self.fields)
 
     def tensor_types(self) -> dict[str, str]:
-        """Hugging Face name -> the file's type name for it (`F32`, `Q4_1`, ...)."""
-        return {_hf_name(t.name) or t.name: t.tensor_type.name for t in self._tensors}
+        """pdserve's name -> the file's type name for it (`F32`, `Q4_1`, ...)."""
+        family = self.family
+        return {_name(t.name, family) or t.name: t.tensor_type.name for t in self._tensors}
 
     def weights(
         self, arch: ModelArch, keep: frozenset[str] = frozenset()
@@ -215,10 +254,12 @@ class GGUFModelFile:
         """Yield (Hugging Face name, tensor) for every tensor in the file: float32, or the
         file's blocks as they are (a `QuantizedTensor`) for the names in `keep` whose type
         has kernels (quant.QuantType)."""
-        permute = self.fields.get("general.architecture") == "llama"
+        family = self.family
         base = np.frombuffer(self._mapping, np.uint8).ctypes.data
         for t in self._tensors:
-            yield self._tensor(t, arch, keep, permute)
+            if t.name in _ROPE_FACTORS:
+                continue
+            yield self._tensor(t, arch, keep, family)
             # The model holds its copy now: drop the file's pages from this process (they
             # stay in the page cache), so loading never holds the weights twice (an 8B
             # Q4_K_M file peaked at 11.9 GB of RSS for 5.1 GB of weights before).
@@ -230,14 +271,15 @@ class GGUFModelFile:
             self._mapping.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
 
     def _tensor(
-        self, t: GGUFTensor, arch: ModelArch, keep: frozenset[str], permute: bool
+        self, t: GGUFTensor, arch: ModelArch, keep: frozenset[str], family: Family
     ) -> tuple[str, torch.Tensor | QuantizedTensor]:
-        """(Hugging Face name, tensor) for `t`: its blocks when kept, else float32."""
+        """(pdserve's name, tensor) for `t`: its blocks when kept, else float32."""
         import torch  # here: reading the metadata and the tokenizer needs no torch (the proxy)
 
         from pdserve.model.quant import QuantizedTensor, QuantType
 
-        name = _hf_name(t.name)
+        permute = family.gguf_interleaved_qk
+        name = _name(t.name, family)
         if name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path}")
         shape = tuple(int(d) for d in reversed(t.shape))
@@ -260,13 +302,13 @@ class GGUFModelFile:
         return name, tensor
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def _name(gguf_name: str, family: Family) -> str | None:
+    """pdserve's name for a tensor of the file, or None for one it does not know."""
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
+    name = family.gguf_layer_name(parts[2]) if len(parts) == 3 and parts[0] == "blk" else None
+    return None if name is None else f"model.layers.{parts[1]}.{name}"
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

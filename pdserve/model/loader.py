@@ -24,12 +24,13 @@ from pdserve.config import ModelConfig
 from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model import cpu_isa, huge_pages
 from pdserve.model.arch import ModelArch
+from pdserve.model.decoder import DecoderModel
+from pdserve.model.family import Family
 from pdserve.model.files import (
     optional_hf_tokenizer,
     read_config,
     resolve_model_path,
 )
-from pdserve.model.llama import LlamaModel
 from pdserve.model.quant import (
     BLOCK,
     QuantizedTensor,
@@ -50,7 +51,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     arch: ModelArch
     tokenizer: Tokenizer | None
     dtype: torch.dtype
@@ -121,7 +122,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         arch = ModelArch.from_hf_config(read_config(path))
         tokenizer = optional_hf_tokenizer(path, arch)
         plan, how = plan_quantization(cfg, arch, dtype, device, None)
-        weights = _safetensors_weights(path) if cfg.load_format != "dummy" else None
+        weights = _safetensors_weights(path, arch.family) if cfg.load_format != "dummy" else None
         num_tensors = None
     else:
         from pdserve.model.gguf_file import open_gguf
@@ -129,8 +130,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         gguf_file = open_gguf(path)
         arch = gguf_file.arch()
         tokenizer = gguf_file.tokenizer()
-        plan, how = plan_quantization(cfg, arch, dtype, device, gguf_file.tensor_types())
-        keep = frozenset(n for m in plan for n in source_names(m))
+        types = gguf_file.tensor_types()
+        plan, how = plan_quantization(cfg, arch, dtype, device, types)
+        keep = frozenset(n for m in plan for n in source_names(m, types))
         weights = gguf_file.weights(arch, keep) if cfg.load_format != "dummy" else None
         num_tensors = gguf_file.num_tensors
     max_len = cfg.max_model_len or arch.max_position_embeddings
@@ -195,12 +197,15 @@ _FUSED_PARTS = {
 }
 
 
-def source_names(module: str) -> list[str]:
-    """The checkpoint's (Hugging Face) tensor names that fill a module's weight."""
+def source_names(module: str, available: dict[str, str] | None = None) -> list[str]:
+    """The checkpoint's tensor names (pdserve's, Hugging Face's Llama names) that fill a
+    module's weight: a fused module's parts, or the fused tensor itself where the
+    checkpoint has it (`available`: its names; Phi-3 keeps qkv and gate/up fused)."""
     prefix, _, leaf = module.rpartition(".")
-    parts = _FUSED_PARTS.get(leaf, (leaf,))
     stem = f"model.{prefix}." if prefix else ("model." if leaf != "lm_head" else "")
-    return [f"{stem}{part}.weight" for part in parts]
+    if available is not None and f"{stem}{leaf}.weight" in available:
+        return [f"{stem}{leaf}.weight"]
+    return [f"{stem}{part}.weight" for part in _FUSED_PARTS.get(leaf, (leaf,))]
 
 
 def plan_quantization(
@@ -243,7 +248,7 @@ def plan_quantization(
         plan = {m: QuantType.parse(asked) for m in linears} | {m: QuantType.Q8_0 for m in tables}
     elif tensor_types is not None:
         for module in linears + tables:
-            types = {tensor_types.get(name, "") for name in source_names(module)}
+            types = {tensor_types.get(name, "") for name in source_names(module, tensor_types)}
             if not types <= set(QuantType.__members__):
                 continue  # a part in floats, or in a format without kernels: dense
             # Parts in different formats (Q4_K_M files keep some layers' v_proj in Q6_K
@@ -279,30 +284,33 @@ def build_model(
     num_tensors: int | None = None,
     seed: int = 0,
     quantize: dict[str, QuantType] | None = None,
-) -> LlamaModel:
+) -> DecoderModel:
     """Allocate the model on `device` and fill it from `weights` (None: random weights);
     the modules in `quantize` hold their weights in that format's blocks."""
     with torch.device("meta"):
-        model = LlamaModel(arch, max_model_len)
+        model = DecoderModel(arch, max_model_len)
         model.keep_quantized(quantize or {})
     _allocate(model, device, dtype)
     model.set_compute_dtype(dtype)
-    model.rotary.compute_tables()  # after the cast: the tables stay float32
+    for rotary in model.rotaries:
+        rotary.compute_tables()  # after the cast: the tables stay float32
     model.tie_weights()  # `_allocate` gave the tied lm_head its own (uninitialized) storage
     if weights is None:
         _init_dummy(model, seed)
     else:
         _load_weights(model, arch, tqdm(weights, total=num_tensors, desc="loading", delay=1.0))
+        model.permute_heads()
     return model.eval()
 
 
 def _load_weights(
-    model: LlamaModel,
+    model: DecoderModel,
     arch: ModelArch,
     weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]],
 ) -> None:
-    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up; a
-    quantized module's weight goes into its blocks (converted if in another format)."""
+    """Copy pdserve-named tensors (Hugging Face's Llama names) into the model, fusing
+    q/k/v and gate/up (or taking them fused); a quantized module's weight goes into its
+    blocks (converted if in another format)."""
     params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
     for module_name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, QuantModule):
@@ -319,10 +327,9 @@ def _load_weights(
         "gate_proj": ("gate_up_proj", 0, inter),
         "up_proj": ("gate_up_proj", inter, inter),
     }  # fmt: skip
-    # Fused parameters are complete only when each of their parts arrived.
-    parts_of = {"qkv_proj": 3, "gate_up_proj": 2}
+    # A parameter is complete when every row arrived (a fused one's in parts, or whole).
     expected = {n for n in params if not (arch.tie_word_embeddings and n == "lm_head.weight")}
-    loaded: dict[str, set[int]] = {}
+    filled: dict[str, int] = {}
     for hf_name, tensor in weights:
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight" and arch.tie_word_embeddings:
@@ -356,12 +363,14 @@ def _load_weights(
                     f"weight {hf_name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-        loaded.setdefault(name, set()).add(target_slice.start or 0)
-    missing = sorted(
-        n for n in expected if len(loaded.get(n, ())) < parts_of.get(n.split(".")[-2], 1)
-    )
+        filled[name] = filled.get(name, 0) + target.shape[0]
+    missing = sorted(n for n in expected if filled.get(n, 0) < _num_rows(params[n]))
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _num_rows(param: Any) -> int:
+    return int(param.qweight.shape[0] if isinstance(param, QuantModule) else param.shape[0])
 
 
 def _allocate(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -381,7 +390,7 @@ def _allocate(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Non
             setattr(module, name, empty(buffer))
 
 
-def _init_dummy(model: LlamaModel, seed: int) -> None:
+def _init_dummy(model: DecoderModel, seed: int) -> None:
     """Random weights drawn on the model's device (an 8B model on a GPU in seconds)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -395,7 +404,9 @@ def _init_dummy(model: LlamaModel, seed: int) -> None:
         module.qweight.copy_(quantize(dense, module.qtype))
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path, family: Family) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors in pdserve's names; norm weights with the family's offset
+    folded in (Gemma's `(1 + w)`: in float32, as Hugging Face adds it)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -405,7 +416,10 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    if family.hf_norm_offset and name.endswith("norm.weight"):
+                        tensor = tensor.float() + family.hf_norm_offset
+                    yield family.hf_name(name), tensor
         except ModelLoadError:
             raise
         except Exception as e:

@@ -1,6 +1,6 @@
 """The model's hot operations, in one place, with one implementation per backend.
 
-`LlamaModel` is written once against `Ops`; a backend decides how each operation runs:
+`DecoderModel` is written once against `Ops`; a backend decides how each operation runs:
 
 - `TorchOps`: plain PyTorch (any device, any dtype). Decode attention gathers each
   group's K/V blocks and calls SDPA (see attention.py).
@@ -71,9 +71,27 @@ class TorchOps:
         # One fused kernel; it accumulates in fp32 like Hugging Face's hand-written version.
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
+    def rms_norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        """RMSNorm(x) into a new tensor (a sublayer's output norm)."""
+        return self.add_rms_norm(x, None, norm)
+
+    def head_norms(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: Any, k_norm: Any
+    ) -> None:
+        """RMSNorm over each q head and each k head of qkv [T, H + 2Hkv, D], in place."""
+        q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+        d = qkv.shape[-1]
+        q.copy_(F.rms_norm(q, (d,), q_norm.weight, q_norm.eps))
+        k.copy_(F.rms_norm(k, (d,), k_norm.weight, k_norm.eps))
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): gelu(gate), GeLU's tanh approximation, times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rope(self, rotary: Any, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """Per-step rotary state, computed once and handed to every layer's attention."""
@@ -98,22 +116,29 @@ class TorchOps:
         return q, k, v
 
     def decode_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """The step's decode tokens (q [num_decode_tokens, H, D]) over their cached context."""
+        """The step's decode tokens (q [num_decode_tokens, H, D]) over their cached context
+        (its last `window` tokens, when given)."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        decode_attention_gathered(q, kv_layer, meta, scale, out)
+        decode_attention_gathered(q, kv_layer, meta, scale, out, window)
         return out
 
     def run_layers(
-        self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
+        self, model: Any, x: torch.Tensor, ropes: tuple[Any, ...], kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:  # fmt: skip
         """Every decoder layer of `model`: x, the residual stream, is updated in place; the
-        last layer's delta (not yet added) is returned."""
+        last layer's delta (not yet added) is returned. `ropes`: the step's rotary state
+        per table (`DecoderModel.rotaries`)."""
         delta = None
         for i, layer in enumerate(model.layers):
-            delta = layer(x, delta, rope, kv_cache[:, i], meta, self)
+            delta = layer(x, delta, ropes, kv_cache[:, i], meta, self)
         return delta
 
     def attention(
@@ -125,18 +150,20 @@ class TorchOps:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """qkv [T, H + 2Hkv, D] -> attention output [T, H, D]; stores the step's K/V.
+        `window`: a sliding layer's keys per token (itself included), 0 for all.
 
         Backends differ in `rotary_write_kv`, `decode_attention` and `prefill_attention`."""
         q, k, v = self.rotary_write_kv(qkv, num_heads, num_kv_heads, rope, kv_layer, meta)
         if not meta.prefills:
-            return self.decode_attention(q, kv_layer, meta, scale)
+            return self.decode_attention(q, kv_layer, meta, scale, window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self.decode_attention(q[:nd], kv_layer, meta, scale)
-        self.prefill_attention(q, k, v, kv_layer, meta, scale, out)
+            out[:nd] = self.decode_attention(q[:nd], kv_layer, meta, scale, window)
+        self.prefill_attention(q, k, v, kv_layer, meta, scale, out, window)
         return out
 
     def prefill_attention(
@@ -148,9 +175,10 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """Each prefill chunk's rows of `out` (SDPA; see attention.py)."""
-        prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        prefill_attention(q, k, v, kv_layer, meta, scale, out, window)
 
 
 def paged_decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,24 +216,25 @@ class CpuKernelOps(TorchOps):
         return f"{self.name} ({self.k.isa.label}{invariant})"
 
     def run_layers(
-        self, model: Any, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
+        self, model: Any, x: torch.Tensor, ropes: tuple[Any, ...], kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:  # fmt: skip
         """A decode-only step runs all layers in one kernel call (`pd_decode_layers`: the
         same kernels on the same values as the per-op path, so bit-identical) when its rows
         fit the small-M linear, or the AMX linear where the CPU has it; anything else (a
-        prefill chunk in the step, more rows) runs per op. Batch-invariant: the AMX table
-        at every row count (the kernel `route` gives every linear), and without AMX the
-        loop `CpuKernels.linear` takes in that mode, as one call too."""
+        prefill chunk in the step, more rows, a family whose layers are not Llama's) runs
+        per op. Batch-invariant: the AMX table at every row count (the kernel `route` gives
+        every linear), and without AMX the loop `CpuKernels.linear` takes in that mode, as
+        one call too."""
         t = x.shape[0]
         amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
         limit = self.k.quant_max_m if model.quantized else self.k.max_one_call_m
         table = None
-        if self.one_call and not meta.prefills and t <= limit:
+        if self.one_call and not meta.prefills and t <= limit and model.plain_layers:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
-            return super().run_layers(model, x, rope, kv_cache, meta)
-        cos, sin, positions = rope
+            return super().run_layers(model, x, ropes, kv_cache, meta)
+        cos, sin, positions = ropes[0]
         block_tables, seq_lens = paged_decode_inputs(meta)
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
@@ -254,6 +283,9 @@ class CpuKernelOps(TorchOps):
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
         return self.k.add_rms_norm(x, delta, norm.weight, norm.eps)
 
+    def rms_norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        return self.k.add_rms_norm(x.contiguous(), None, norm.weight, norm.eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up)
 
@@ -279,10 +311,15 @@ class CpuKernelOps(TorchOps):
         return q, k, v
 
     def decode_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         tables, seq_lens = paged_decode_inputs(meta)
-        return self.k.decode_attention(q, kv_layer, tables, seq_lens, scale)
+        return self.k.decode_attention(q, kv_layer, tables, seq_lens, scale, window)
 
     def prefill_attention(
         self,
@@ -293,13 +330,21 @@ class CpuKernelOps(TorchOps):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """With the bf16 library, every chunk reads its keys from the cache (the step's
         K/V are already there; an 8-bit cache's dequantized as they are read) in the flash
         kernel (AMX tiles, or AVX512-BF16 dot products: 1.8-3.5x SDPA a 2k chunk at 0-6k of
-        context, a whole 8k prompt 1.8x faster; docs/benchmarks.md); otherwise SDPA."""
-        if not self.k.has_prefill_attention or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES:
-            return super().prefill_attention(q, k, v, kv_layer, meta, scale, out)
+        context, a whole 8k prompt 1.8x faster; docs/benchmarks.md); otherwise SDPA, and
+        so for a sliding layer whose chunk reaches past its window (the flash kernel reads
+        every key)."""
+        slides = window and any(c.num_context_tokens + c.num_tokens > window for c in meta.prefills)
+        if (
+            slides
+            or not self.k.has_prefill_attention
+            or q.shape[-1] not in cpu_kernels.PREFILL_HEAD_SIZES
+        ):
+            return super().prefill_attention(q, k, v, kv_layer, meta, scale, out, window)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens
             self.k.prefill_attention(
@@ -376,6 +421,8 @@ def select_ops(
 
         if device.type != "cuda" or not triton_available():
             raise ConfigError("kernels='triton' needs a CUDA device and the triton package")
+        if getattr(arch, "layer_windows", ()):
+            raise ConfigError("the Triton decode kernel has no sliding window; use kernels='auto'")
         return TritonOps()
     kernels = cpu_kernels_for(choice, device, dtype, arch)
     if batch_invariant:

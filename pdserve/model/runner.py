@@ -281,6 +281,7 @@ class ModelRunner:
             indices=None if members is None else torch.tensor(members, device=dev),
             block_tables=torch.from_numpy(padded).to(dev),
             mask=torch.from_numpy(mask).to(dev, self.dtype)[:, None, None, :],
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
         )
 
     def _prefill_chunks(

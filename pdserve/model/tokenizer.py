@@ -1,8 +1,14 @@
 """Tokenizer and chat template, from a GGUF file's metadata or a Hugging Face directory.
 
-Only byte-level BPE vocabularies are supported (GPT-2 style: SmolLM2, Llama 3, Qwen2);
-GGUF files record which pre-tokenizer split their training used (`tokenizer.ggml.pre`), and
-`_PRE_TOKENIZERS` reproduces llama.cpp's table for the ones we support.
+Both run on the `tokenizers` library. From GGUF, two vocabularies:
+- byte-level BPE (`tokenizer.ggml.model` gpt2: SmolLM2, Llama 3, Qwen2/3, Phi-4): GGUF
+  files record which pre-tokenizer split their training used (`tokenizer.ggml.pre`), and
+  `_PRE_TOKENIZERS` reproduces llama.cpp's table for the ones we support;
+- SentencePiece BPE (`llama`: Gemma, Phi-3, Llama 2): pieces with scores, spaces as "▁",
+  bytes outside the vocabulary as <0xNN> pieces (byte fallback). `tokenizers` builds such
+  a tokenizer from SentencePiece's model file, which a GGUF file does not carry: the
+  merges are derived from the pieces and their scores here (`_spm_merges`), as
+  transformers' own GGUF and SentencePiece converters derive them.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve import tools as tool_calling
@@ -142,22 +148,14 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+        if kind not in builders:
             raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r}; pdserve reads byte-level BPE (gpt2)"
-            )
-        pre = fields.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in _PRE_TOKENIZERS:
-            raise ModelLoadError(
-                f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}"
+                f"unsupported GGUF tokenizer model {kind!r}; pdserve reads byte-level BPE "
+                "(gpt2) and SentencePiece BPE (llama)"
             )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        tok.decoder = decoders.ByteLevel()
+        tok = builders[kind](fields, tokens)
         types = fields.get("tokenizer.ggml.token_type") or []
         tok.add_tokens(
             [
@@ -220,6 +218,67 @@ class Tokenizer:
         if self.bos_token_id is not None:
             cfg["bos_token"] = self.id_to_token(self.bos_token_id)
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _byte_level_bpe(fields: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+    pre = fields.get("tokenizer.ggml.pre", "gpt2")
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+_SPACE = "\u2581"  # SentencePiece's "▁"
+
+
+def _sentencepiece_bpe(fields: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary as llama.cpp runs it: the text with spaces as "▁"
+    (and one in front when `add_space_prefix`, as Llama 2 and Phi-3; Gemma says false),
+    never split into words, merged by the pieces' scores, unknown bytes as <0xNN>."""
+    scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_spm_merges(tokens, scores, vocab),
+        unk_token=tokens[int(unk)] if unk is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = HFTokenizer(bpe)
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", _SPACE)
+    tok.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _spm_merges(
+    tokens: list[str], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """BPE merges from SentencePiece pieces: each piece is the merge of every split of it
+    into two pieces of the vocabulary, ranked by the piece's score (higher first), ties
+    by the parts' ids (transformers' `SentencePieceExtractor` order)."""
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort(key=lambda m: m[:3])
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

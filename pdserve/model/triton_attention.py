@@ -202,7 +202,13 @@ class TritonOps(TorchOps):
     paged_decode = True
 
     def decode_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
+        """`window` is always 0 here: `select_ops` refuses sliding models on Triton."""
         tables, seq_lens = paged_decode_inputs(meta)
         return paged_decode_attention(q, kv_layer, tables, seq_lens, scale)

@@ -96,7 +96,7 @@ def test_greedy_tokens_and_logprobs_equal_the_single_node(
     cluster = exact_clusters(setting)
     split, whole = split_and_whole(cluster, completion(make_prompt(length, seed=31), 16))
     # [300-*] once failed rarely, under load: one node's rotary cos table was off from row
-    # 256 on, set at its start-up (fixed in llama.py's Rotary.compute_tables; found with
+    # 256 on, set at its start-up (fixed in decoder.py's Rotary.compute_tables; found with
     # these 300-token prompts, docs/benchmarks.md). On a mismatch the failure shows both
     # answers, asked twice, so a node that strays for its whole life shows itself.
     if split != whole:  # which node strayed, and does it again (a prefix-cache hit now)?
@@ -140,6 +140,31 @@ def test_min_tokens_penalties_and_logit_bias_equal_the_single_node(
     banned = {str(whole[0][0]): -100.0, str(whole[0][1]): 4.0}  # the first token, then a boost
     split, biased = split_and_whole(cluster, {**body, "logit_bias": banned})
     assert split == biased and biased[0][0] != whole[0][0]
+
+
+@pytest.fixture(params=["qwen3", "gemma3", "phi3"])
+def family_cluster(request: pytest.FixtureRequest, tiny_kernels_family: Any) -> Iterator[Cluster]:
+    """A prefill, a decode and a single node on a tiny model of the family (kernel sizes);
+    one family's at a time."""
+    model = tiny_kernels_family(request.param)
+    args = node_args(model)
+    servers = start_servers([*args, "--role", "prefill"], [*args, "--role", "decode"], args)
+    yield Cluster(*servers, model=model)  # type: ignore[misc]
+    stop_all(servers)
+
+
+def test_each_family_p_d_equals_the_single_node(family_cluster: Cluster) -> None:
+    """Invariant 5 for the families beyond Llama: greedy and seeded answers through both
+    legs equal the single node's, tokens and logprobs, with prompts shorter and longer
+    than Gemma 3's sliding window (24 tokens in the tiny model)."""
+    for length in (17, 100, 300):
+        split, whole = split_and_whole(family_cluster, completion(make_prompt(length, 5), 12))
+        assert split == whole, length
+    body = completion(make_prompt(60, seed=6), 10, temperature=1.0, seed=3)
+    split, whole = split_and_whole(family_cluster, body)
+    assert split == whole
+    wait_idle(family_cluster.prefill, 2.0)
+    wait_idle(family_cluster.decode, 2.0)
 
 
 def test_a_decode_leg_without_the_first_token_still_answers(

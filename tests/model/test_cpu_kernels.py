@@ -221,7 +221,11 @@ def test_decode_attention_matches_gathered_sdpa(
         num_decode_tokens=len(seq_lens),
         slot_block_ids=torch.empty(0, dtype=torch.long),
         slot_offsets=torch.empty(0, dtype=torch.long),
-        decode_groups=(DecodeGroup(None, block_tables, mask[:, None, None, :].double()),),
+        decode_groups=(
+            DecodeGroup(
+                None, block_tables, mask[:, None, None, :].double(), torch.tensor(seq_lens)
+            ),
+        ),
         decode_block_tables=None,
         decode_seq_lens=None,
         decode_kv_buffer=None,

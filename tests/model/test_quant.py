@@ -304,7 +304,9 @@ def test_corrupt_scale_is_refused(tmp_path: Any) -> None:
         load_model(ModelConfig(model=str(bad), dtype="float32", max_model_len=128))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied head; tied head and qkv bias
+# untied head; tied head and qkv bias; q/k norms; Gemma's norms, GeGLU and sliding layers;
+# Phi's half-rotated heads (their q/k rows laid out again in the blocks)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_hf_checkpoint_quantized_at_load(arch: str, tmp_path: Any) -> None:
     """A dense checkpoint asked for Q8_0: every linear and the embedding in blocks, and
     logprobs close to the dense model's (Q8_0 keeps ~0.4% of each weight)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.llama import Rotary, rope_inv_freq
+from pdserve.model.decoder import Rotary, rope_inv_freq
 
 LLAMA3_SCALING = (
     ("factor", 32.0),
@@ -39,7 +39,7 @@ def test_tables_are_the_float32_angles_cos_and_sin_rounded_once(
     """Each entry is the correctly rounded cos/sin of its float32 angle (position x inverse
     frequency, as Hugging Face computes it), at every thread count. torch's float32 cos is
     within an ulp but not rounded once (5% of a 8k x 64 table differ), and a node once
-    computed rows 256 on, which torch's second thread takes, 1.5e-4 off (llama.py)."""
+    computed rows 256 on, which torch's second thread takes, 1.5e-4 off (decoder.py)."""
     arch = _arch(head_dim, theta, scaling)
     inv_freq = rope_inv_freq(arch).tolist()
     threads = torch.get_num_threads()

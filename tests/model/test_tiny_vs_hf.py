@@ -42,7 +42,7 @@ def test_logprobs_match_hf_fp32(arch: str, tiny_model_dir: Any) -> None:
             torch.testing.assert_close(ours, ref_logprobs[step, ids], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_logprobs_close_to_hf_bf16(arch: str, tiny_model_dir: Any) -> None:
     path = tiny_model_dir(arch)
     ref = hf_model(path)  # fp32 reference: bf16 error is measured against the truth

@@ -137,6 +137,7 @@ def test_triton_ops_match_torch_ops() -> None:
             indices=torch.tensor(members, device=dev),
             block_tables=tables[members, :width].long(),
             mask=mask[:, None, None, :],
+            seq_lens=lens[members].long(),
         )
 
     n_chunk_blocks = -(-(chunk_ctx + chunk_len) // bs)

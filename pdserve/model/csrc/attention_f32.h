@@ -228,15 +228,16 @@ template <typename KV>
 int decode_attention(const float* q, int64_t q_stride, const typename KV::Elem* kv,
                      int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B,
-                     int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                     int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                     int64_t window) {
   const int64_t G = H / Hkv;
   return paged::with_head_size(D, [&](auto head_size) {
     constexpr int kD = decltype(head_size)::value;
     paged::for_each_decode_task(
-        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size,
-        [&](int64_t b, const Seq<KV>& seq, int64_t hk0, int64_t nhk, std::vector<float>& scratch) {
-          attend_task<KV, kD>(q + b * q_stride, seq, seq_lens[b], hk0, nhk, G, scale, scratch,
-                              out + b * H * D);
+        kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, Hkv, block_size, window,
+        [&](int64_t b, const Seq<KV>& seq, int64_t L, int64_t hk0, int64_t nhk,
+            std::vector<float>& scratch) {
+          attend_task<KV, kD>(q + b * q_stride, seq, L, hk0, nhk, G, scale, scratch, out + b * H * D);
         });
   });
 }

@@ -547,13 +547,13 @@ template <typename Attend>
 int decode_attention_paged(const bf16* q, int64_t q_stride, const typename Attend::Cache* cache,
                            int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
-                           int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                           int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
   const int64_t G = H / Hkv;
   return paged::with_head_size(D, [&](auto head_size) {
     constexpr int kD = decltype(head_size)::value;
     paged::for_each_decode_part(
         cache, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, H, Hkv, D, block_size,
-        paged::kSplitTokens,
+        paged::kSplitTokens, window,
         [&](int64_t b, const paged::PagedSeq<typename Attend::Cache>& seq, int64_t L, int64_t hk0, int64_t nhk,
             std::vector<float>& scratch, float* part, float* lse) {
           if (part)
@@ -578,36 +578,37 @@ static int decode_attention_int8(const bf16* q, int64_t q_stride, const int8_t* 
                                  int64_t s_block, int64_t s_kv, int64_t s_tok,
                                  const int64_t* block_tables, int64_t max_blocks,
                                  const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
-                                 int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                                 int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                                 int64_t window) {
   std::vector<float> qf(B * H * D), of(B * H * D);
   for (int64_t b = 0; b < B; b++)
     for (int64_t i = 0; i < H * D; i++) qf[b * H * D + i] = to_f32(q[b * q_stride + i]);
   const int status = attn::decode_attention<attn::Int8KV>(
       qf.data(), H * D, kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens,
-      of.data(), B, H, Hkv, D, block_size, scale);
+      of.data(), B, H, Hkv, D, block_size, scale, window);
   for (int64_t i = 0; i < B * H * D; i++) out[i] = to_bf16(of[i]);
   return status;
 }
 
 // Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
 // block_size must be a power of two (CacheConfig enforces it). The cache is in a
-// paged::KVFormat.
+// paged::KVFormat. `window` > 0: each sequence's last `window` keys only (a sliding layer).
 int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t kv_format,
                         int64_t s_block, int64_t s_kv, int64_t s_tok,
                         const int64_t* block_tables, int64_t max_blocks,
                         const int64_t* seq_lens, bf16* out, int64_t B, int64_t H,
-                        int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                        int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
   if (kv_format == paged::kKVInt8 && block_size >= attn_i8::kMinBlock)
     return decode_attention_paged<Int8Attend>(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv, s_tok,
                                               block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
-                                              block_size, scale);
+                                              block_size, scale, window);
   if (kv_format == paged::kKVInt8)  // blocks of fewer than 16 tokens
     return decode_attention_int8(q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv,
                                  s_tok, block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
-                                 block_size, scale);
+                                 block_size, scale, window);
   return decode_attention_paged<Bf16Attend>(q, q_stride, static_cast<const bf16*>(kv), s_block, s_kv, s_tok,
                                             block_tables, max_blocks, seq_lens, out, B, H, Hkv, D,
-                                            block_size, scale);
+                                            block_size, scale, window);
 }
 
 // Every layer of a decode-only step in one call (paged_decode.h). A layer table's packed

@@ -358,21 +358,22 @@ void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D
 
 extern "C" {
 
-// Decode attention straight from the paged cache (attention_f32.h), in a paged::KVFormat.
+// Decode attention straight from the paged cache (attention_f32.h), in a paged::KVFormat;
+// `window` > 0: each sequence's last `window` keys only (a sliding layer).
 // Returns 0, or -1 for a head size without a specialisation (32, 64, 128, 256 exist).
 // block_size must be a power of two (CacheConfig enforces it).
 int pd_decode_attention(const float* q, int64_t q_stride, const void* kv, int64_t kv_format,
                         int64_t s_block, int64_t s_kv, int64_t s_tok,
                         const int64_t* block_tables, int64_t max_blocks,
                         const int64_t* seq_lens, float* out, int64_t B, int64_t H,
-                        int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                        int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window) {
   if (kv_format == paged::kKVInt8)
     return attn::decode_attention<attn::Int8KV>(
         q, q_stride, static_cast<const int8_t*>(kv), s_block, s_kv, s_tok, block_tables,
-        max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale);
+        max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale, window);
   return attn::decode_attention<attn::FloatKV>(
       q, q_stride, static_cast<const float*>(kv), s_block, s_kv, s_tok, block_tables,
-      max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale);
+      max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale, window);
 }
 
 // Every layer of a decode-only step in one call (paged_decode.h); the packed-weight

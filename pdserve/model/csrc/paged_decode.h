@@ -25,15 +25,18 @@ enum KVFormat : int64_t { kKVDense = 0, kKVInt8 = 1 };
 // (16 to 128 measured alike, within noise, in bf16).
 constexpr int64_t kPrefetchTokens = 32;
 
-// One sequence's paged K/V: row(t) is token t's K row (all kv heads); its V row is at
-// + s_kv. Block sizes are powers of two: shifts, not 40-cycle divisions.
+// One sequence's paged K/V from its token `first` on: row(t) is token first + t's K row (all
+// kv heads); its V row is at + s_kv. Block sizes are powers of two: shifts, not 40-cycle
+// divisions.
 template <typename T>
 struct PagedSeq {
   const T* kv;
   int64_t s_block, s_kv, s_tok;
   int block_shift;
   const int64_t* table;
+  int64_t first = 0;
   inline const T* row(int64_t t) const {
+    t += first;
     return kv + table[t >> block_shift] * s_block + (t & ((int64_t{1} << block_shift) - 1)) * s_tok;
   }
 };
@@ -70,18 +73,21 @@ constexpr int64_t kSplitTokens = 1024;
 //   a third of the time (3 kv heads on 2 threads) and read each row a head at a time. The
 //   parts depend only on the sequence's length, so a row's result does not depend on its
 //   batch (--batch-invariant).
+// - A sliding layer (`window` > 0) attends to a sequence's last `window` keys only: its
+//   tasks and parts start there (0: every key).
 // - Longest tasks first: a task's time is about its length, and handing the long ones out
 //   last can leave one thread finishing a long sequence while the other idles (12
 //   sequences of mixed lengths: 1.10x from this order alone, bf16; output unchanged).
 // attend(b, seq, L, hk0, nhk, scratch, part_out, part_lse): kv heads hk0.. of sequence b over
-// seq's first L keys; part_out null: the final output, else [H, D] floats and [H]
+// seq's L keys (from seq.first); part_out null: the final output, else [H, D] floats and [H]
 // log-sum-exps of the part (all heads). store(b, head, o): head `head` of sequence b's
 // output from the merged floats o[D] (D <= 256).
 template <typename T, typename Attend, typename Store>
 void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
                           const int64_t* block_tables, int64_t max_blocks,
                           const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          int64_t block_size, int64_t split_tokens, Attend attend, Store store) {
+                          int64_t block_size, int64_t split_tokens, int64_t window, Attend attend,
+                          Store store) {
   struct Task {
     int64_t b, t0, len, hk0, nhk, part;  // part: its slot in the scratch, or -1
   };
@@ -91,13 +97,14 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
   std::vector<int64_t> first_part(B, -1), num_parts(B, 0);
   int64_t parts = 0;
   for (int64_t b = 0; b < B; b++) {
-    const int64_t L = seq_lens[b];
-    if (L > split_tokens) {
+    const int64_t end = seq_lens[b], start = window > 0 && end > window ? end - window : 0;
+    if (end - start > split_tokens) {
       first_part[b] = parts;
-      for (int64_t t0 = 0; t0 < L; t0 += split_tokens, num_parts[b]++)
-        tasks.push_back({b, t0, std::min(split_tokens, L - t0), 0, Hkv, parts++});
+      for (int64_t t0 = start; t0 < end; t0 += split_tokens, num_parts[b]++)
+        tasks.push_back({b, t0, std::min(split_tokens, end - t0), 0, Hkv, parts++});
     } else {
-      for (int64_t hk0 = 0; hk0 < Hkv; hk0 += heads_per_task) tasks.push_back({b, 0, L, hk0, heads_per_task, -1});
+      for (int64_t hk0 = 0; hk0 < Hkv; hk0 += heads_per_task)
+        tasks.push_back({b, start, end - start, hk0, heads_per_task, -1});
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& c) { return a.len > c.len; });
@@ -109,7 +116,7 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); i++) {
       const Task& t = tasks[i];
-      const PagedSeq<T> seq{kv, s_block, s_kv, s_tok, shift, block_tables + t.b * max_blocks + (t.t0 >> shift)};
+      const PagedSeq<T> seq{kv, s_block, s_kv, s_tok, shift, block_tables + t.b * max_blocks, t.t0};
       attend(t.b, seq, t.len, t.hk0, t.nhk, scratch, t.part < 0 ? nullptr : partial.data() + t.part * H * D,
              t.part < 0 ? nullptr : part_lse + t.part * H);
     }
@@ -135,17 +142,18 @@ void for_each_decode_part(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
 }
 
 // The tasks above without splitting (the float32 library's kernels have no parts):
-// attend(b, seq, hk0, nhk, scratch) for sequence b's kv heads hk0..hk0+nhk-1 over all its keys.
+// attend(b, seq, L, hk0, nhk, scratch) for sequence b's kv heads hk0..hk0+nhk-1 over its L
+// keys (all of them, or its window's).
 template <typename T, typename Attend>
 void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
                           const int64_t* block_tables, int64_t max_blocks,
                           const int64_t* seq_lens, int64_t B, int64_t Hkv, int64_t block_size,
-                          Attend attend) {
+                          int64_t window, Attend attend) {
   for_each_decode_part(
       kv, s_block, s_kv, s_tok, block_tables, max_blocks, seq_lens, B, 0, Hkv, 0, block_size,
-      std::numeric_limits<int64_t>::max(),
-      [&](int64_t b, const PagedSeq<T>& seq, int64_t, int64_t hk0, int64_t nhk, std::vector<float>& scratch,
-          float*, float*) { attend(b, seq, hk0, nhk, scratch); },
+      std::numeric_limits<int64_t>::max(), window,
+      [&](int64_t b, const PagedSeq<T>& seq, int64_t L, int64_t hk0, int64_t nhk,
+          std::vector<float>& scratch, float*, float*) { attend(b, seq, L, hk0, nhk, scratch); },
       [](int64_t, int64_t, const float*) {});
 }
 
@@ -200,7 +208,7 @@ struct StepKernels {
                           int64_t s_block, int64_t s_kv, int64_t s_tok,
                           const int64_t* block_tables, int64_t max_blocks,
                           const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t Hkv,
-                          int64_t D, int64_t block_size, float scale);
+                          int64_t D, int64_t block_size, float scale, int64_t window);
   void (*silu_mul)(const T* gate_up, T* out, int64_t rows, int64_t I);
 };
 
@@ -224,7 +232,7 @@ int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t
     k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, cos, sin, positions, w.kv, kv_format,
                       s_block, s_kv, s_tok, slot_blocks, slot_offsets);
     k.decode_attention(qkv.data(), width, w.kv, kv_format, s_block, s_kv, s_tok, block_tables,
-                       max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale);
+                       max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale, 0);
     k.linear(attn.data(), w.o, w.o_packed, w.o_type, nullptr, o.data(), rows, hidden, H * D);
     k.add_rms_norm(x, o.data(), w.post_norm, h.data(), rows, hidden, eps);
     k.linear(h.data(), w.gate_up, w.gate_up_packed, w.gate_up_type, nullptr, gu.data(), rows,
