@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pdserve"
 LAYERS: list[set[str]] = [
     # foundations: errors, settings of the process, and the contract types between layers
     {"errors", "envs", "logs", "tls", "seams", "heap", "parent_watch", "launch",
-     "sampling_params", "outputs", "batch", "tracing", "structured", "tools"},
+     "sampling_params", "outputs", "batch", "tracing", "structured", "tools", "reasoning"},
     {"config"},
     {"kv_cache"},  # the paged KV pool and prefix cache
     {"model"},  # weights, kernels, the runner (takes `batch` contracts)

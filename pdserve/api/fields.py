@@ -35,7 +35,6 @@ NOT_SERVED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "guided_decoding_backend": ("pdserve's grammar engine is llguidance", (None,)),
     "guided_whitespace_pattern": (OLD_STRUCTURED, (None,)),
     "priority": ("requests are served first come, first served", (None, 0)),
-    "chat_template_kwargs": ("the chat template takes no extra arguments", (None, {})),
     "chat_template": ("the model's own chat template is used", (None,)),
     "add_generation_prompt": ("the assistant's turn is always opened", (None, True)),
     "continue_final_message": ("a chat always opens a new assistant turn", (None, False)),

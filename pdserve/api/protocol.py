@@ -364,6 +364,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the model's chat template (vLLM's; Qwen3's `enable_thinking`)."""
 
     _parse_messages = field_validator("messages", mode="before")(parse_messages)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdserve import reasoning
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 from pdserve.tools import Parsed, ToolCallParser, ToolSpec
@@ -41,6 +42,9 @@ class ChoiceBuilder:
     tools: ToolSpec | None = None
     """A chat's tools: calls are parsed out of its answers unless tool_choice is none."""
     echo: Echo | None = None
+    thinks: bool = False
+    """A thinking model's chat: its `<think>` reasoning goes to `reasoning_content`
+    (`pdserve/reasoning.py`), the rest to `content` (and to the tool call parser)."""
     index_base: int = 0
     """Added to each choice's index: prompt `i` of a completions call with several has
     choices `i * n` to `i * n + n - 1`."""
@@ -52,13 +56,15 @@ class ChoiceBuilder:
     _last: RequestOutput | None = None
     _parsers: dict[int, ToolCallParser] = field(default_factory=dict)
     """Per choice of a stream with tools: its tool call parser."""
+    _thinkers: dict[int, reasoning.ThinkParser] = field(default_factory=dict)
+    """Per choice of a thinking model's chat stream: its reasoning splitter."""
     _prompt_logprobs: list[TokenLogprob | None] | None = None
     _offsets: dict[int, int] = field(default_factory=dict)
     """Per choice of a completions stream that has begun: where its next token's
     `text_offset` is (the length of the token texts sent so far)."""
 
     @classmethod
-    def for_request(cls, body: Any, chat: bool, model: str) -> ChoiceBuilder:
+    def for_request(cls, body: Any, chat: bool, model: str, thinks: bool = False) -> ChoiceBuilder:
         if chat:
             max_tokens = body.max_completion_tokens or body.max_tokens
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -74,13 +80,15 @@ class ChoiceBuilder:
             include_usage=body.include_usage,
             return_token_ids=body.return_token_ids,
             tools=body.tool_spec() if chat else None,
+            thinks=thinks and chat,
         )
 
     def for_prompt(self, index: int, echo: Echo | None) -> ChoiceBuilder:
         """The builder of prompt `index` of a completions call with several."""
         return ChoiceBuilder(self.request_id, self.params, self.chat, self.model,
                              self.include_usage, self.return_token_ids, self.tools, echo,
-                             index_base=index * self.params.n, created=self.created)  # fmt: skip
+                             self.thinks, index_base=index * self.params.n,
+                             created=self.created)  # fmt: skip
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if self.tools is None or not self.tools.parses_calls:
@@ -125,9 +133,13 @@ class ChoiceBuilder:
         choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text = c.text
+            if self.thinks:
+                message["reasoning_content"], content = reasoning.split(c.text)
+                message["content"], text = content, content or ""
             parser = self._parser(c.index)
             if parser is not None:
-                parsed = parser.parse(c.text)
+                parsed = parser.parse(text)
                 if parsed.calls:
                     message["content"] = parsed.content.strip() or None
                     message["tool_calls"] = [call.as_openai() for call in parsed.calls]
@@ -206,13 +218,18 @@ class ChoiceBuilder:
                 "finish_reason": c.finish_reason,
             }
             if self.chat:
-                delta: dict[str, Any] = {"content": c.delta_text}
+                thought, text = self._think(c) if self.thinks else ("", c.delta_text)
+                delta: dict[str, Any] = {"content": text}
                 if c.index not in self._roles_sent:
                     delta["role"] = "assistant"
                     self._roles_sent.add(c.index)
+                    if self.thinks:  # the field is there, null or not, as in a whole answer
+                        delta["reasoning_content"] = thought or None
+                if thought:
+                    delta["reasoning_content"] = thought
                 parser = self._parser(c.index)
                 if parser is not None:
-                    self._add_calls(delta, choice, parser, c)
+                    self._add_calls(delta, choice, parser, text, c.finished, c.finish_reason)
                 choice["delta"] = delta
                 choice["logprobs"] = _chat_logprobs(new_logprobs)
             else:
@@ -234,16 +251,31 @@ class ChoiceBuilder:
             chunks.append(chunk)
         return chunks
 
+    def _think(self, c: CompletionOutput) -> tuple[str, str]:
+        """A thinking model's streamed delta as (reasoning, content), a tag's start held
+        back until the next delta shows what it is."""
+        thinker = self._thinkers.setdefault(c.index, reasoning.ThinkParser())
+        thought, content = thinker.feed(c.delta_text)
+        if c.finished:
+            more_thought, more_content = thinker.finish()
+            thought, content = thought + more_thought, content + more_content
+        return thought, content
+
     @staticmethod
     def _add_calls(
-        delta: dict[str, Any], choice: dict[str, Any], parser: ToolCallParser, c: CompletionOutput
+        delta: dict[str, Any],
+        choice: dict[str, Any],
+        parser: ToolCallParser,
+        text: str,
+        finished: bool,
+        finish_reason: str | None,
     ) -> None:
         """A streamed chat delta with tools: text that may be a call held back, each call
         whole in `tool_calls` (OpenAI's delta shape, its arguments in one piece), and the
         whitespace between calls dropped."""
         num_before = parser.num_calls
-        parsed = parser.feed(c.delta_text)
-        if c.finished:
+        parsed = parser.feed(text)
+        if finished:
             rest = parser.finish()
             parsed = Parsed(parsed.content + rest.content, parsed.calls)
         content = parsed.content
@@ -254,8 +286,8 @@ class ChoiceBuilder:
             delta["tool_calls"] = [
                 {"index": num_before + k, **call.as_openai()} for k, call in enumerate(parsed.calls)
             ]
-        if c.finished and parser.num_calls:
-            choice["finish_reason"] = _finish_with_calls(c.finish_reason)
+        if finished and parser.num_calls:
+            choice["finish_reason"] = _finish_with_calls(finish_reason)
 
     def usage_chunk(self) -> dict[str, Any] | None:
         if not self.include_usage or self._last is None:

@@ -217,7 +217,7 @@ async def _serve(
             )
         body: Any = validate_body(data, model)
         check_model(body.model, state.model_name)
-        builder = ChoiceBuilder.for_request(body, chat, state.model_name)
+        builder = ChoiceBuilder.for_request(body, chat, state.model_name, state.client.thinks)
         inputs = _engine_inputs(body, chat)  # before a prefill leg's handoff is minted
         _check_leg(body, builder, kv, len(inputs))
         echoes = await _echoes(state, body, inputs) if not chat and body.echo else None
@@ -332,7 +332,8 @@ def _engine_inputs(body: Any, chat: bool) -> list[dict[str, Any]]:
     if chat:
         spec = body.tool_spec()
         tools = spec.template_tools() if spec is not None else None
-        return [{"messages": body.chat_messages(), "tools": tools}]
+        kwargs = body.chat_template_kwargs
+        return [{"messages": body.chat_messages(), "tools": tools, "template_kwargs": kwargs}]
     return [{"prompt": prompt} for prompt in body.prompts()]
 
 

@@ -36,6 +36,8 @@ class TokenizeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     """Rendered into the prompt as a chat with them would be (`pdserve/tools.py`)."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """The chat template's extra variables, as a chat request's."""
     add_special_tokens: bool = True
     """The model's BOS where its tokenizer adds one and the text does not start with it,
     as the engine encodes completion prompts and rendered chats alike (vLLM defaults to
@@ -84,7 +86,9 @@ class Tokenization:
                 messages = [m.template_input() for m in body.messages]
                 spec = ToolSpec.parse(body.tools, None, None)
                 tools = spec.template_tools() if spec is not None else None
-                text = tok.apply_chat_template(messages, body.add_generation_prompt, tools)
+                text = tok.apply_chat_template(
+                    messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+                )
             else:
                 assert body.prompt is not None
                 text = body.prompt

@@ -84,6 +84,8 @@ class AsyncEngineClient:
         self.model_name = config.model.model
         self.max_model_len = 0
         self.compute: ComputeInfo | None = None
+        self.thinks = False
+        """The model writes `<think>` reasoning (`Ready.thinks`)."""
         """What the engine computes with (dtype and why, kernels, CPU level)."""
         self.stats = EngineStats()
         self.prefix_index = PrefixIndex(config.cache.block_size)
@@ -126,6 +128,7 @@ class AsyncEngineClient:
         )
         self.kv_handshake = ready.kv_handshake
         self.compute = ready.compute
+        self.thinks = ready.thinks
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _wait_ready(self) -> Ready:
@@ -189,6 +192,7 @@ class AsyncEngineClient:
         messages: list[dict[str, Any]] | None = None,
         kv_transfer: KVTransferSpec | None = None,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
         if self.dead:
@@ -199,7 +203,7 @@ class AsyncEngineClient:
         try:
             await self._send(
                 AddRequest(
-                    request_id, params, prompt, messages, tools=tools, kv_transfer=kv_transfer
+                    request_id, params, prompt, messages, tools, template_kwargs, kv_transfer
                 )
             )
             while True:

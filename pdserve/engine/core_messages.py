@@ -24,6 +24,8 @@ class AddRequest:
     """Chat messages: the engine renders the model's chat template."""
     tools: list[dict[str, Any]] | None = None
     """A chat's tools (OpenAI's `tools`), rendered with its messages."""
+    template_kwargs: dict[str, Any] | None = None
+    """A chat's `chat_template_kwargs` (Qwen3's `enable_thinking`), for its template."""
     kv_transfer: KVTransferSpec | None = None
     """`RemoteDecode` / `RemotePrefill` (pdserve.disagg.params) for a P/D leg."""
 
@@ -83,6 +85,8 @@ class Ready:
     """What the KV connector publishes for peers (P/D nodes: the KV layout they must
     match and the transport address decode nodes read from)."""
     compute: ComputeInfo | None = None
+    thinks: bool = False
+    """The model writes `<think>` reasoning (its chat template does: `reasoning.thinks`)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pdserve import envs, logs
+from pdserve import envs, logs, reasoning
 from pdserve.config import EngineConfig
 from pdserve.engine.core_messages import (
     AbortRequests,
@@ -101,6 +101,7 @@ def _ready(engine: LLMEngine) -> Ready:
         engine_stats(engine),
         engine.connector.handshake_info(),
         engine.runner.compute,
+        engine.tokenizer is not None and reasoning.thinks(engine.tokenizer.chat_template),
     )
 
 
@@ -193,7 +194,9 @@ def _add(engine: LLMEngine, message: AddRequest, errors: list[RequestError]) -> 
                 raise InvalidRequestError(
                     "this model has no tokenizer: it cannot chat", param="messages"
                 )
-            prompt = engine.tokenizer.apply_chat_template(message.messages, tools=message.tools)
+            prompt = engine.tokenizer.apply_chat_template(
+                message.messages, tools=message.tools, template_kwargs=message.template_kwargs
+            )
         if prompt is None:
             raise PdserveError("request without a prompt")
         engine.add_request(

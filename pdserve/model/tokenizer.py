@@ -57,6 +57,9 @@ _PRE_TOKENIZERS = {
     "qwen2": lambda: _byte_level_with_split(_QWEN2_SPLIT),
 }
 
+_TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+"""What pdserve passes a chat template itself."""
+
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -111,11 +114,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat as the model's template writes it. Tools (OpenAI's `tools`) and the
         tool calls and results in `messages` go to a template that knows them as Hugging
         Face templates take them, and to one that does not as pdserve's Hermes rendering
-        (`pdserve/tools.py`)."""
+        (`pdserve/tools.py`). `template_kwargs` (a request's `chat_template_kwargs`, such as
+        Qwen3's `enable_thinking`) are the template's extra variables."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template", param="messages")
         if self._template is None:
@@ -126,7 +131,13 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & _TEMPLATE_VARIABLES)
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {reserved}: the request's own fields do",
+                param="chat_template_kwargs",
+            )
         if tool_calling.template_knows_tools(self.chat_template):
             messages = tool_calling.for_template(messages)
             if tools:

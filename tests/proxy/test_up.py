@@ -231,8 +231,8 @@ def test_up_takes_and_forwards_every_node_flag_serve_takes() -> None:
             argv.append(flag)
             expected.append([flag])
             continue
-        value = action.choices[-1] if action.choices else {int: "7", float: "0.5"}.get(
-            action.type, "x"
+        value = (
+            action.choices[-1] if action.choices else {int: "7", float: "0.5"}.get(action.type, "x")
         )
         if str(value) == str(action.default):
             value = action.choices[0]
