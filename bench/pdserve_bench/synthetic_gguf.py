@@ -30,7 +30,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserv
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # GGUF architecture: llama or qwen2 (q/k/v biases)
+    arch: str  # GGUF architecture: llama, qwen2 (q/k/v biases), qwen3, gemma3
     hidden: int
     layers: int
     heads: int
@@ -40,14 +40,27 @@ class Shape:
     vocab: int
     tied: bool
     rope_theta: float
+    sliding_window: int = 0
+    """Gemma 3: every layer but each 6th slides over this many keys."""
+    rope_linear: float = 0.0
+    """Gemma 3 4B+: the global layers' linear rotary scaling."""
 
 
+# Qwen3's per-head q/k norms and Gemma 3's extra norms follow from the architecture.
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 500000.0),
     "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 128, 11008, 151936, True, 1000000.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, 1000000.0),
+    "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1000000.0),
+    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936, False, 1000000.0),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 256, 6912, 262144, True, 1e6, 512),
+    "gemma-3-4b": Shape("gemma3", 2560, 34, 8, 4, 256, 10240, 262144, True, 1e6, 1024, 8.0),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 49152, False, 10000.0),  # for tests
 }
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+"""llama.cpp's quantizer's format for a tensor whose rows are not whole 256-weight
+super-blocks (Gemma 3 1B's 1152 columns): the K-quant's 32-weight fallback."""
 MIXES = ("q4_k_m", "q4_0", "q8_0")
 
 # Per format: (byte offset of each fp16 scale field, its value): weights of ~0.02 standard
@@ -55,6 +68,7 @@ MIXES = ("q4_k_m", "q4_0", "q8_0")
 _SCALES = {
     "Q8_0": ((0, 2.7e-4),),
     "Q4_0": ((0, 4.3e-3),),
+    "Q5_0": ((0, 2.2e-3),),
     "Q4_K": ((0, 1.0e-4), (2, 7.5e-4)),
     "Q6_K": ((208, 1.5e-5),),
 }
@@ -78,6 +92,12 @@ def tensor_type(name: str, layer: int, shape: Shape, mix: str) -> str:
     if more and (name.endswith("attn_v.weight") or name.endswith("ffn_down.weight")):
         return "Q6_K"
     return "Q4_K"
+
+
+def stored_type(name: str, layer: int, shape: Shape, mix: str, cols: int) -> str:
+    """`tensor_type`, or its fallback where the rows are not whole super-blocks."""
+    qtype = tensor_type(name, layer, shape, mix)
+    return _FALLBACK.get(qtype, qtype) if cols % 256 else qtype
 
 
 def random_blocks(
@@ -115,6 +135,12 @@ def tensors(shape: Shape) -> list[tuple[str, int, tuple[int, int] | tuple[int]]]
         if shape.arch == "qwen2":
             out += [(b + "attn_q.bias", i, (q,)), (b + "attn_k.bias", i, (kv,)),
                     (b + "attn_v.bias", i, (kv,))]  # fmt: skip
+        if shape.arch in ("qwen3", "gemma3"):
+            out += [(b + "attn_q_norm.weight", i, (shape.head_dim,)),
+                    (b + "attn_k_norm.weight", i, (shape.head_dim,))]  # fmt: skip
+        if shape.arch == "gemma3":
+            out += [(b + "post_attention_norm.weight", i, (h,)),
+                    (b + "post_ffw_norm.weight", i, (h,))]  # fmt: skip
         out += [(b + "attn_output.weight", i, (h, q)), (b + "ffn_norm.weight", i, (h,)),
                 (b + "ffn_gate.weight", i, (shape.inter, h)),
                 (b + "ffn_up.weight", i, (shape.inter, h)),
@@ -143,7 +169,14 @@ def write(path: Path, shape: Shape, mix: str, seed: int = 0) -> None:
     writer.add_uint32(f"{a}.attention.head_count", shape.heads)
     writer.add_uint32(f"{a}.attention.head_count_kv", shape.kv_heads)
     writer.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
+    writer.add_uint32(f"{a}.attention.key_length", shape.head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", shape.head_dim)
     writer.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
+    if shape.sliding_window:
+        writer.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
+    if shape.rope_linear:
+        writer.add_string(f"{a}.rope.scaling.type", "linear")
+        writer.add_float32(f"{a}.rope.scaling.factor", shape.rope_linear)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32(f"{a}.vocab_size", shape.vocab)
     _copy_tokenizer(source, writer, shape.vocab)
@@ -153,7 +186,7 @@ def write(path: Path, shape: Shape, mix: str, seed: int = 0) -> None:
             value = 1.0 if name.endswith("norm.weight") else 0.0
             writer.add_tensor(name, np.full(dims, value, np.float32))
             continue
-        qtype = tensor_type(name, layer, shape, mix)
+        qtype = stored_type(name, layer, shape, mix, dims[1])
         data = random_blocks(qtype, dims[0], dims[1], rng)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
     writer.write_header_to_file()

@@ -26,6 +26,7 @@ plain PyTorch ops; the kernels are a speed-up, never a requirement.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 import functools
 import hashlib
 import logging
@@ -93,6 +94,8 @@ _SIGNATURES = {
     "pd_linear_rows": [_P, _P, _P, _P, _I, _I, _I],
     "pd_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
     "pd_silu_mul": [_P, _P, _I, _I],
+    "pd_gelu_tanh_mul": [_P, _P, _I, _I],
+    "pd_head_norms": [_P, _I, _I, _I, _I, _P, _P, _F],
     "pd_rotary_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
     "pd_decode_attention": [_P, _I, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I],
     "pd_linear_amx": [_P, _P, _P, _P, _I, _I, _I],
@@ -124,14 +127,23 @@ class PdLayer(ctypes.Structure):
         *((name, _P) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")),
         # The four weights' formats: 0 dense, else a quant.QuantType (blocks in qkv, ...).
         *((name, _I) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")),
+        # The family's (null, 0 for Llama's layer): per-head q/k norms, sublayer-output
+        # norms, the layer's rotary tables, its window, its activation (ACTIVATIONS).
+        *((name, _P) for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")),
+        *((name, _P) for name in ("cos", "sin")),
+        *((name, _I) for name in ("window", "activation")),
     ]
 
 
-# layers, num_layers, x, delta, T, hidden, H, Hkv, D, inter, eps, scale, cos, sin,
-# positions, kv_format, s_block, s_kv, s_tok, slot blocks and offsets, block tables,
-# max_blocks, seq_lens, block_size, batch_invariant.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""`PdLayer.activation`'s codes (paged_decode.h's Activation), by family.Activation value."""
+
+
+# layers, num_layers, x, delta, T, hidden, H, Hkv, D, inter, eps, scale, positions,
+# kv_format, s_block, s_kv, s_tok, slot blocks and offsets, block tables, max_blocks,
+# seq_lens, block_size, batch_invariant.
 _SIGNATURES["pd_decode_layers"] = [ctypes.POINTER(PdLayer), *[_I, _P, _P], *[_I] * 6, _F, _F,
-                                   *[_P] * 3, *[_I] * 4, _P, _P, _P, _I, _P, _I, _I]  # fmt: skip
+                                   _P, *[_I] * 4, _P, _P, _P, _I, _P, _I, _I]  # fmt: skip
 AMX_MAX_M = 128
 """Most rows the AMX linear takes. Against oneDNN on a decode step's weights (`pdserve
 bench kernels`, 2 cores): 1.2-1.4x at 128 rows in every run; at 160-256 rows anywhere
@@ -393,6 +405,21 @@ class CpuKernels:
         self._lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        t, two_i = gate_up.shape
+        out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
+        self._lib.pd_gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+        return out
+
+    def head_norms(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: Any, k_norm: Any
+    ) -> None:
+        """Each q and k head of qkv [T, H + 2Hkv, D] (contiguous) normalized in place."""
+        t, _, d = qkv.shape
+        self._lib.pd_head_norms(qkv.data_ptr(), t, num_heads, num_kv_heads, d,
+                                q_norm.weight.data_ptr(), k_norm.weight.data_ptr(),
+                                q_norm.eps)  # fmt: skip
+
     def rotary_write_kv(
         self,
         qkv: torch.Tensor,
@@ -475,8 +502,6 @@ class CpuKernels:
         shape: tuple[int, int, int, int],
         eps: float,
         scale: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_blocks: torch.Tensor,
@@ -496,7 +521,7 @@ class CpuKernels:
         delta = torch.empty_like(x)
         status = self._lib.pd_decode_layers(
             layers, len(layers), x.data_ptr(), delta.data_ptr(), t, hidden, h, hkv, d, inter,
-            eps, scale, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+            eps, scale, positions.data_ptr(),
             kv_format.kernel_code(kv_cache.dtype), *kv_cache[:, 0].stride()[:3],
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[3], batch_invariant,

@@ -271,19 +271,6 @@ class DecoderModel(nn.Module):
         """The rotary tables, by `DecoderLayer.rope_variant`."""
         return (self.rotary,) if self.sliding_rotary is None else (self.rotary, self.sliding_rotary)
 
-    @property
-    def plain_layers(self) -> bool:
-        """Every layer is Llama's (SwiGLU, no extra norms, full attention, one rotary
-        table): what the one-call decode kernel computes (`CpuKernelOps.run_layers`)."""
-        family = self.arch.family
-        return not (
-            family.qk_norm
-            or family.sublayer_out_norms
-            or family.activation is not Activation.SILU
-            or self.arch.layer_windows
-            or self.sliding_rotary is not None
-        )
-
     def tie_weights(self) -> None:
         if not self.arch.tie_word_embeddings:
             return

@@ -230,16 +230,16 @@ class CpuKernelOps(TorchOps):
         amx = (self.k.amx if self.batch_invariant else t > self.k.small_m) and not model.quantized
         limit = self.k.quant_max_m if model.quantized else self.k.max_one_call_m
         table = None
-        if self.one_call and not meta.prefills and t <= limit and model.plain_layers:
+        if self.one_call and not meta.prefills and t <= limit:
             table = self._layer_table(model, kv_cache, amx)
         if table is None:
             return super().run_layers(model, x, ropes, kv_cache, meta)
-        cos, sin, positions = ropes[0]
+        positions = ropes[0][2]  # every table's rope state carries the step's positions
         block_tables, seq_lens = paged_decode_inputs(meta)
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         return self.k.decode_layers(
-            table, x, shape, model.arch.rms_norm_eps, attn.scale, cos, sin, positions,
+            table, x, shape, model.arch.rms_norm_eps, attn.scale, positions,
             kv_cache, meta.slot_block_ids, meta.slot_offsets, block_tables, seq_lens,
             self.batch_invariant,
         )  # fmt: skip
@@ -286,8 +286,17 @@ class CpuKernelOps(TorchOps):
     def rms_norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
         return self.k.add_rms_norm(x.contiguous(), None, norm.weight, norm.eps)
 
+    def head_norms(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: Any, k_norm: Any
+    ) -> None:
+        """The kernel the one-call step runs too: both paths give the same bits."""
+        self.k.head_norms(qkv, num_heads, num_kv_heads, q_norm, k_norm)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.gelu_tanh_mul(gate_up)
 
     def rope(self, rotary: Any, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return rotary.cos, rotary.sin, positions  # fp32 tables, indexed inside the kernel
@@ -371,11 +380,16 @@ def _layer_table(
         types = [
             kernels.quant_type(lin.qtype) if isinstance(lin, QuantLinear) else 0 for lin in linears
         ]
+        rotary = model.rotaries[layer.rope_variant]
+        norms = (attn.q_norm, attn.k_norm, layer.attn_out_norm, layer.mlp_out_norm)
         layers.append(cpu_kernels.PdLayer(
             layer.input_layernorm.weight.data_ptr(), weights[0],
             None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr(),
             weights[1], layer.post_attention_layernorm.weight.data_ptr(), weights[2], weights[3],
             kv_cache[:, i].data_ptr(), *packed, *types,
+            *(None if n is None else n.weight.data_ptr() for n in norms),
+            rotary.cos.data_ptr(), rotary.sin.data_ptr(), attn.window,
+            cpu_kernels.ACTIVATIONS[mlp.activation.value],
         ))  # fmt: skip
     return (cpu_kernels.PdLayer * len(layers))(*layers)
 

@@ -222,3 +222,28 @@ def test_sentencepiece_vocabulary_from_gguf_equals_hf(
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == hf.encode(text, add_special_tokens=False) == sp.encode(text), text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("path", variant_params(["fp32-avx512", "fp32-avx2", "bf16"]))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_call_decode_is_bit_identical_to_per_op(
+    family: str, path: str, family_dir: Any
+) -> None:
+    """A decode step of every layer in one kernel call (`pd_decode_layers`: the families'
+    norms, GeGLU, windows and rotary tables per layer) computes the per-op path's bits,
+    so a request's numbers never depend on whether a prefill shared its step."""
+    dtype, isa = VARIANTS[path]
+    with cpu_level(isa.label):
+        llm = LLM(str(family_dir(family)), dtype=str(dtype).removeprefix("torch."), num_blocks=64)
+    ops = llm.engine.runner.ops
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    batch = prompts(4, 7)  # up to 90 tokens: past the tiny Gemma's window of 24
+    try:
+        ops.one_call = False
+        per_op = llm.generate(batch, params)
+    finally:
+        ops.one_call = True
+    one_call = llm.generate(batch, params)
+    for a, b in zip(per_op, one_call, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [e.top for e in a.outputs[0].logprobs] == [e.top for e in b.outputs[0].logprobs]

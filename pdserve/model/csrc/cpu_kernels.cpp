@@ -241,25 +241,45 @@ void pd_linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int
 // x = x + delta (when delta is given, rounded to bf16 like PyTorch's add), then
 // out = x * rsqrt(mean(x^2) + eps) * weight. Rows of H elements, H % 16 == 0.
 
+}  // extern "C"
+
+// One row of pd_add_rms_norm (out may be x: each element is read before it is written).
+static inline void rms_norm_row(bf16* xr, const bf16* delta, const bf16* weight, bf16* out,
+                                int64_t H, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    __m512 v = load16(xr + i);
+    if (delta) {
+      v = _mm512_add_ps(v, load16(delta + i));
+      store16(xr + i, v);
+      v = load16(xr + i);  // the rounded sum, as the residual stream keeps it
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < H; i += 16)
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), scale), load16(weight + i)));
+}
+
+extern "C" {
+
 void pd_add_rms_norm(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t T,
                      int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T > 1)
-  for (int64_t t = 0; t < T; t++) {
-    bf16* xr = x + t * H;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < H; i += 16) {
-      __m512 v = load16(xr + i);
-      if (delta) {
-        v = _mm512_add_ps(v, load16(delta + t * H + i));
-        store16(xr + i, v);
-        v = load16(xr + i);  // the rounded sum, as the residual stream keeps it
-      }
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps);
-    const __m512 scale = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < H; i += 16)
-      store16(out + t * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), scale), load16(weight + i)));
+  for (int64_t t = 0; t < T; t++)
+    rms_norm_row(x + t * H, delta ? delta + t * H : nullptr, weight, out + t * H, H, eps);
+}
+
+// Qwen3's and Gemma 3's per-head norms: each q head and each k head of a fused
+// qkv[T, H + 2 Hkv, D] buffer normalized in place (as pd_add_rms_norm normalizes a row).
+void pd_head_norms(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const bf16* q_norm,
+                   const bf16* k_norm, float eps) {
+  const int64_t heads = H + Hkv, width = (H + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T * heads >= 64)
+  for (int64_t i = 0; i < T * heads; i++) {
+    bf16* row = qkv + (i / heads) * width + (i % heads) * D;
+    rms_norm_row(row, nullptr, i % heads < H ? q_norm : k_norm, row, D, eps);
   }
 }
 
@@ -276,6 +296,16 @@ void pd_silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
                                                     vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       store16(out + t * I + i, _mm512_mul_ps(silu, load16(g + I + i)));
     }
+  }
+}
+
+// out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, I + i] (GeGLU: Gemma's MLP).
+void pd_gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16* g = gate_up + t * 2 * I;
+    for (int64_t i = 0; i < I; i += 16)
+      store16(out + t * I + i, _mm512_mul_ps(vec::gelu_tanh(load16(g + i)), load16(g + I + i)));
   }
 }
 
@@ -654,8 +684,8 @@ int pd_dequantize(const uint8_t* w, int64_t type, bf16* out, int64_t N, int64_t 
 
 int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers, bf16* x,
                      bf16* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t inter, float eps, float scale, const float* cos,
-                     const float* sin, const int64_t* positions, int64_t kv_format,
+                     int64_t D, int64_t inter, float eps, float scale,
+                     const int64_t* positions, int64_t kv_format,
                      int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                      const int64_t* slot_offsets, const int64_t* block_tables,
                      int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
@@ -664,9 +694,9 @@ int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers,
   // whole step): a batch-invariant step needs nothing of its own.
   static const paged::StepKernels<bf16> kernels{pd_add_rms_norm, step_linear,
                                                 pd_rotary_write_kv, pd_decode_attention,
-                                                pd_silu_mul};
+                                                pd_silu_mul, pd_gelu_tanh_mul, pd_head_norms};
   return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
-                              inter, eps, scale, cos, sin, positions, kv_format, s_block,
+                              inter, eps, scale, positions, kv_format, s_block,
                               s_kv, s_tok, slot_blocks, slot_offsets, block_tables,
                               max_blocks, seq_lens, block_size);
 }

@@ -165,10 +165,13 @@ void for_each_decode_task(const T* kv, int64_t s_block, int64_t s_kv, int64_t s_
 // order on the same values, so its output is bit-identical to the per-op path; it only
 // removes the round trips.
 //
-// Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); rotary + KV write;
-// attn = decode attention; o = attn Wo^T; h = add_rms_norm(x, o); act = silu_mul(h Wgu^T);
-// delta = act Wdown^T. x is the residual stream (updated in place); the last layer's
-// delta is written to delta_out (the caller adds it before the final norm).
+// Per layer: h = add_rms_norm(x, delta); qkv = h Wqkv^T (+ b); [per-head q/k norms];
+// rotary (the layer's tables) + KV write; attn = decode attention (the layer's window);
+// o = attn Wo^T; [o = rms_norm(o)]; h = add_rms_norm(x, o); act = silu_mul or
+// gelu_tanh_mul(h Wgu^T); delta = act Wdown^T; [delta = rms_norm(delta)]. The bracketed
+// steps are the families' (family.py: Qwen3, Gemma 3), skipped where a layer has no such
+// weight. x is the residual stream (updated in place); the last layer's delta is written
+// to delta_out (the caller adds it before the final norm).
 
 template <typename T>
 struct DecodeLayer {  // the layout of cpu_kernels.py's PdLayer
@@ -188,7 +191,19 @@ struct DecodeLayer {  // the layout of cpu_kernels.py's PdLayer
   const T* down_packed;
   // The four weights' formats: 0 = dense T, else a quant::Type (quant_linear.h).
   int64_t qkv_type, o_type, gate_up_type, down_type;
+  // The family's: per-head q/k norm weights, the attention's and the MLP's output norms
+  // (each null where the layer has none), this layer's rotary tables [positions, D], its
+  // sliding window (0: every key) and its activation (kSilu or kGeluTanh).
+  const T* q_norm;
+  const T* k_norm;
+  const T* attn_out_norm;
+  const T* mlp_out_norm;
+  const float* cos;
+  const float* sin;
+  int64_t window, activation;
 };
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // One library's kernels, as the layer loop calls them (its extern "C" entry points).
 template <typename T>
@@ -210,13 +225,16 @@ struct StepKernels {
                           const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t Hkv,
                           int64_t D, int64_t block_size, float scale, int64_t window);
   void (*silu_mul)(const T* gate_up, T* out, int64_t rows, int64_t I);
+  void (*gelu_tanh_mul)(const T* gate_up, T* out, int64_t rows, int64_t I);
+  void (*head_norms)(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, const T* q_norm,
+                     const T* k_norm, float eps);
 };
 
 template <typename T>
 int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t num_layers,
                   T* x, T* delta_out, int64_t rows, int64_t hidden, int64_t H, int64_t Hkv,
-                  int64_t D, int64_t inter, float eps, float scale, const float* cos,
-                  const float* sin, const int64_t* positions, int64_t kv_format,
+                  int64_t D, int64_t inter, float eps, float scale,
+                  const int64_t* positions, int64_t kv_format,
                   int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
                   const int64_t* slot_offsets, const int64_t* block_tables, int64_t max_blocks,
                   const int64_t* seq_lens, int64_t block_size) {
@@ -229,17 +247,22 @@ int decode_layers(const StepKernels<T>& k, const DecodeLayer<T>* layers, int64_t
     k.add_rms_norm(x, l ? delta_out : nullptr, w.input_norm, h.data(), rows, hidden, eps);
     k.linear(h.data(), w.qkv, w.qkv_packed, w.qkv_type, w.qkv_bias, qkv.data(), rows, width,
              hidden);
-    k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, cos, sin, positions, w.kv, kv_format,
+    if (w.q_norm) k.head_norms(qkv.data(), rows, H, Hkv, D, w.q_norm, w.k_norm, eps);
+    k.rotary_write_kv(qkv.data(), rows, H, Hkv, D, w.cos, w.sin, positions, w.kv, kv_format,
                       s_block, s_kv, s_tok, slot_blocks, slot_offsets);
     k.decode_attention(qkv.data(), width, w.kv, kv_format, s_block, s_kv, s_tok, block_tables,
-                       max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale, 0);
+                       max_blocks, seq_lens, attn.data(), rows, H, Hkv, D, block_size, scale,
+                       w.window);
     k.linear(attn.data(), w.o, w.o_packed, w.o_type, nullptr, o.data(), rows, hidden, H * D);
+    if (w.attn_out_norm) k.add_rms_norm(o.data(), nullptr, w.attn_out_norm, o.data(), rows, hidden, eps);
     k.add_rms_norm(x, o.data(), w.post_norm, h.data(), rows, hidden, eps);
     k.linear(h.data(), w.gate_up, w.gate_up_packed, w.gate_up_type, nullptr, gu.data(), rows,
              2 * inter, hidden);
-    k.silu_mul(gu.data(), act.data(), rows, inter);
+    (w.activation == kGeluTanh ? k.gelu_tanh_mul : k.silu_mul)(gu.data(), act.data(), rows, inter);
     k.linear(act.data(), w.down, w.down_packed, w.down_type, nullptr, delta_out, rows, hidden,
              inter);
+    if (w.mlp_out_norm)
+      k.add_rms_norm(delta_out, nullptr, w.mlp_out_norm, delta_out, rows, hidden, eps);
   }
   return 0;
 }

@@ -147,6 +147,15 @@ inline F exp(F x) {
   return mul(p, pow2i(n));
 }
 
+// GeLU's tanh form (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh u) with u = sqrt(2/pi)
+// (x + 0.044715 x^3), computed as x sigmoid(2u), the same value without tanh's
+// cancellation near 0.
+inline F gelu_tanh(F x) {
+  const F x3 = mul(mul(x, x), x);
+  const F two_u = mul(set1(2.0f * 0.7978845608028654f), fmadd(x3, set1(0.044715f), x));
+  return div(x, add(set1(1.0f), exp(sub(zero(), two_u))));
+}
+
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 }  // namespace vec
