@@ -26,7 +26,6 @@ plain PyTorch ops; the kernels are a speed-up, never a requirement.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 import functools
 import hashlib
 import logging
@@ -37,6 +36,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
