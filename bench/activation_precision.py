@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.model.ops import CpuKernelOps
+from pdserve.model.cpu_ops import CpuKernelOps
 from pdserve_bench.accuracy import FORMATS, plan_windows, score_pdserve, text_tokens
 
 BLOCK = 32

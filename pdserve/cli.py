@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from pdserve import envs, logs, tracing
-from pdserve.api.node_flags import add_engine_args, add_node_args, engine_options
 from pdserve.config import ProxyConfig, ServerConfig
 from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, KVTransportKind, Role
 from pdserve.errors import ConfigError, PdserveError
+from pdserve.node_flags import add_engine_args, add_node_args, engine_options
 from pdserve.seams import Seams
 from pdserve.tls import add_tls_args, tls_options
 
@@ -83,9 +83,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.proxy.app import ProxyState, run_proxy
+    from pdserve.proxy.app import run_proxy
     from pdserve.proxy.membership import FileMembership, read_members
     from pdserve.proxy.routing import routing_options
+    from pdserve.proxy.state import ProxyState
 
     api_key = args.api_key or envs.api_key()
     prefill, decode, membership = args.prefill, args.decode, None

@@ -28,11 +28,11 @@ LAYERS: list[set[str]] = [
     # foundations: errors, settings of the process, and the contract types between layers
     {"errors", "envs", "logs", "tls", "seams", "heap", "parent_watch", "launch",
      "sampling_params", "outputs", "batch", "tracing", "structured", "tools", "reasoning"},
-    {"config"},
+    {"config", "openai_api"},  # configs; the OpenAI request/response layer (node and proxy)
     {"kv_cache"},  # the paged KV pool and prefix cache
     {"model"},  # weights, kernels, the runner (takes `batch` contracts)
     {"engine"},  # scheduler, step loop, engine process
-    {"disagg"},  # P/D: the connectors, the handoff table, the wire
+    {"disagg", "node_flags"},  # P/D: the connectors, the handoff table, the wire; a node's flags
     {"api"},  # a node's HTTP server
     {"proxy"},  # the P/D router
     {"cluster", "vllm"},  # integrations: Ray, vLLM's processes
@@ -89,6 +89,20 @@ def test_imports_point_down_the_layers() -> None:
         if LAYER_OF[package_of(dst)] > LAYER_OF[package_of(src)]
     ]
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+NEVER = {"proxy": {"api"}, "cluster": {"api"}, "vllm": {"api"}}
+"""Packages that a layer allows but the design does not: the proxy and the integrations
+speak to nodes over HTTP and share the OpenAI layer (`openai_api`), never the node server."""
+
+
+def test_the_proxy_and_the_integrations_never_import_the_node_server() -> None:
+    found = [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in imports()
+        if package_of(dst) in NEVER.get(package_of(src), ())
+    ]
+    assert not found, "\n".join(found)
 
 
 def test_packages_import_each_other_without_a_cycle() -> None:
@@ -179,3 +193,15 @@ def _parent(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def test_modules_of_a_package_import_each_other_without_a_cycle() -> None:
+    """Within a package too (issue 56): a type-only import counts, since a type a module
+    needs is a dependency (a shared state type belongs in a module of its own, a backend's
+    interface in a protocol)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for src, dst, _ in imports():
+        if package_of(src) == package_of(dst) and src != dst and src.count(".") > 1:
+            edges[src].add(dst)
+    cycle = _find_cycle(edges)
+    assert cycle is None, "a cycle between modules: " + " -> ".join(cycle or ())

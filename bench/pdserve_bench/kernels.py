@@ -109,7 +109,7 @@ def _decode_steps(
     args: argparse.Namespace, dtype: torch.dtype, batches: list[int], bandwidth: float
 ) -> None:
     from pdserve import LLM, SamplingParams
-    from pdserve.model.ops import CpuKernelOps
+    from pdserve.model.cpu_ops import CpuKernelOps
 
     name = str(dtype).removeprefix("torch.")
     llm = LLM(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterable, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,22 +16,23 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.caller import (
+from pdserve.api.live import abort_on_disconnect
+from pdserve.api.pd_legs import last_output
+from pdserve.errors import PdserveError
+from pdserve.openai_api.caller import (
     ClientGone,
-    abort_on_disconnect,
     client_request_id,
     request_span,
     unless_gone,
     wait_disconnect,
 )
-from pdserve.api.errors import error_body, from_exception
-from pdserve.api.pd_legs import last_output
-from pdserve.api.responses import ChoiceBuilder, Echo, merge_answers
-from pdserve.errors import PdserveError
+from pdserve.openai_api.errors import error_body, from_exception
+from pdserve.openai_api.responses import ChoiceBuilder, Echo, merge_answers
+from pdserve.openai_api.streams import interleaved, with_prompt_ids
 from pdserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from pdserve.api.server import ServerState
+    from pdserve.api.state import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]
 T = TypeVar("T")
@@ -126,51 +127,3 @@ async def _sse(
         state.metrics.request_failed(f"http_{e.http_status}")
         yield f"data: {json.dumps(error_body(e))}\n\n"
     yield "data: [DONE]\n\n"
-
-
-async def interleaved(
-    sources: Sequence[AsyncIterable[T]],
-) -> AsyncGenerator[tuple[int, T], None]:
-    """The items of several async iterators as they come, each with its source's index,
-    until all have ended; an exception in one is raised here. Closing this (or that
-    exception) stops and closes them all: a run's close aborts it, a relay's closes its
-    leg."""
-    queue: asyncio.Queue[tuple[int, T | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, source: AsyncIterable[T]) -> None:
-        try:
-            async for item in source:
-                await queue.put((i, item))
-            await queue.put((i, None))
-        except Exception as e:
-            await queue.put((i, e))
-
-    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
-    try:
-        running = len(sources)
-        while running:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                running -= 1
-                continue
-            yield i, item
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        for source in sources:
-            close = getattr(source, "aclose", None)
-            if close is not None:
-                await close()
-
-
-def with_prompt_ids(chunk: dict[str, Any], ids: list[int] | None, seen: set[int]) -> None:
-    """A chunk of a stream with several prompts: its prompt's ids (`return_token_ids`) go
-    on each choice's first chunk, as a whole answer has them on each choice, not at the
-    top where they would name one prompt."""
-    for choice in chunk.get("choices") or []:
-        if ids is not None and choice.get("index") not in seen:
-            choice["prompt_token_ids"] = list(ids)
-        seen.add(choice.get("index"))

@@ -23,8 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.api.auth import bearer_matches
-from pdserve.api.errors import error_response, from_exception, read_json, validate_body
 from pdserve.disagg.handoff import HandoffTable
 from pdserve.disagg.handoff_service import HandoffService
 from pdserve.disagg.messages import (
@@ -40,9 +38,11 @@ from pdserve.disagg.messages import (
     RenewReply,
 )
 from pdserve.errors import PdserveError, RequestAbortedError, StatusError
+from pdserve.openai_api.auth import bearer_matches
+from pdserve.openai_api.errors import error_response, from_exception, read_json, validate_body
 
 if TYPE_CHECKING:
-    from pdserve.api.server import ServerState
+    from pdserve.api.state import ServerState
 
 MAX_CONTROL_BODY_BYTES = 1 << 20
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.api.auth import bearer_matches
-from pdserve.api.caller import client_request_id
-from pdserve.api.errors import error_response
+from pdserve.openai_api.auth import bearer_matches
+from pdserve.openai_api.caller import client_request_id
+from pdserve.openai_api.errors import error_response
 
 if TYPE_CHECKING:
-    from pdserve.api.server import ServerState
+    from pdserve.api.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 SELF_AUTHENTICATED_PATHS = ("/v1/abort_requests",)

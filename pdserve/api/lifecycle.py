@@ -32,7 +32,8 @@ import uvicorn
 from pdserve import logs
 from pdserve.api.metrics import MetricsRecorder
 from pdserve.api.pd_legs import node_legs
-from pdserve.api.server import ServerState, create_app
+from pdserve.api.server import create_app
+from pdserve.api.state import ServerState
 from pdserve.config import ServerConfig
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.engine.async_client import AsyncEngineClient

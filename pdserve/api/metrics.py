@@ -7,15 +7,14 @@ request's outputs stream through `MetricsRecorder.track`.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.disagg.messages import ReleaseReason
 from pdserve.engine.core_messages import EngineStats
-from pdserve.engine.kv_connector import KVConnectorStats
+from pdserve.engine.kv_types import KVConnectorStats
 from pdserve.errors import PdserveError
 from pdserve.outputs import RequestOutput, RequestTimes
 from pdserve.tracing import NULL_SPAN, Span
@@ -197,16 +196,3 @@ class MetricsRecorder:
             span.set("pdserve.outcome", outcome or "refused")
             span.end()
             await outputs.aclose()
-
-
-def read_metrics(text: str, names: Collection[str]) -> dict[str, float]:
-    """The values of `names` in a node's `/metrics` text (Prometheus format; the sample's
-    labels ignored, the last sample of each name kept). A name missing, or whose value does
-    not parse, is absent: what the proxy and the autoscaler read from nodes."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            with contextlib.suppress(ValueError, IndexError):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values

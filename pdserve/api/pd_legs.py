@@ -25,10 +25,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.api.caller import request_span, unless_gone_closing
-from pdserve.api.errors import from_exception, validate_body
 from pdserve.api.metrics import MetricsRecorder
-from pdserve.api.responses import ChoiceBuilder
 from pdserve.disagg.config import KVTransferConfig, Role
 from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.handoff_service import HandoffService, ReleaseObserver
@@ -41,8 +38,11 @@ from pdserve.disagg.params import (
     remote_prefill_from,
 )
 from pdserve.engine.async_client import AsyncEngineClient
-from pdserve.engine.kv_connector import KVTransferSpec
+from pdserve.engine.kv_types import KVTransferSpec
 from pdserve.errors import InvalidRequestError, KVTransferError, PdserveError, RequestAbortedError
+from pdserve.openai_api.caller import request_span, unless_gone_closing
+from pdserve.openai_api.errors import from_exception, validate_body
+from pdserve.openai_api.responses import ChoiceBuilder
 from pdserve.outputs import RequestOutput
 from pdserve.tls import TLSConfig
 

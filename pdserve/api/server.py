@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from typing import Any
@@ -35,15 +34,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.api.batched import generate_many
-from pdserve.api.caller import (
-    abort_on_disconnect,
+from pdserve.api.disagg_routes import disagg_routes
+from pdserve.api.edge import OPEN_PATHS, EdgeMiddleware
+from pdserve.api.live import abort_on_disconnect
+from pdserve.api.state import ServerState
+from pdserve.disagg.params import RemoteDecode
+from pdserve.engine.kv_types import KVTransferSpec
+from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+from pdserve.openai_api.caller import (
     client_request_id,
     request_span,
     unless_gone_closing,
 )
-from pdserve.api.disagg_routes import disagg_routes
-from pdserve.api.edge import OPEN_PATHS, EdgeMiddleware
-from pdserve.api.errors import (
+from pdserve.openai_api.errors import (
     ERROR_HANDLERS,
     MAX_BODY_BYTES,
     error_body,
@@ -52,50 +55,12 @@ from pdserve.api.errors import (
     read_json,
     validate_body,
 )
-from pdserve.api.live import LiveRequests
-from pdserve.api.metrics import MetricsRecorder
-from pdserve.api.openapi import openapi_document
-from pdserve.api.pd_legs import NodeLegs
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
-from pdserve.api.responses import ChoiceBuilder, Echo
-from pdserve.api.tokenize import Tokenization
-from pdserve.disagg.params import RemoteDecode
-from pdserve.engine.async_client import AsyncEngineClient
-from pdserve.engine.kv_connector import KVTransferSpec
-from pdserve.errors import InvalidRequestError, PdserveError, StatusError
+from pdserve.openai_api.openapi import openapi_document
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest, check_model
+from pdserve.openai_api.responses import ChoiceBuilder, Echo
 from pdserve.outputs import RequestOutput
-from pdserve.seams import NO_SEAMS, Seams
 
 logger = logging.getLogger(__name__)
-
-
-class ServerState:
-    def __init__(
-        self,
-        client: AsyncEngineClient,
-        legs: NodeLegs,
-        metrics: MetricsRecorder,
-        model_name: str,
-        api_key: str | None = None,
-        seams: Seams = NO_SEAMS,
-    ) -> None:
-        self.client = client
-        self.legs = legs
-        """The node's side of P/D legs (its role; a prefill node's handoffs)."""
-        self.metrics = metrics
-        self.model_name = model_name
-        self.api_key = api_key
-        self.cluster_secret = legs.cluster_secret or api_key
-        """Credential for node-to-node calls, both ways (`/kv/*`, releases)."""
-        self.seams = seams
-        self.live = LiveRequests()
-        self.ready = False
-        self.draining = False
-        self.num_inflight = 0
-        """HTTP requests whose handling (streams included) has not ended."""
-        self.started_s = time.time()
-        self.tokenization = Tokenization(client.config.model.model, model_name)
-        client.on_connector_stats = metrics.record_connector_stats
 
 
 def create_app(state: ServerState) -> Starlette:

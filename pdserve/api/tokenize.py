@@ -16,42 +16,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.api.errors import MAX_BODY_BYTES, from_exception, read_json, validate_body
-from pdserve.api.protocol import ChatMessage, check_model, parse_messages
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.openai_api.errors import MAX_BODY_BYTES, from_exception, read_json, validate_body
+from pdserve.openai_api.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_model,
+)
 from pdserve.tools import ToolSpec
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[dict[str, Any]] | None = None
-    """Rendered into the prompt as a chat with them would be (`pdserve/tools.py`)."""
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    """The chat template's extra variables, as a chat request's."""
-    add_special_tokens: bool = True
-    """The model's BOS where its tokenizer adds one and the text does not start with it,
-    as the engine encodes completion prompts and rendered chats alike (vLLM defaults to
-    false for messages; here the count must be what a chat computes)."""
-    return_token_strs: bool = False
-
-    _parse_messages = field_validator("messages", mode="before")(parse_messages)
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    tokens: list[int]
 
 
 class Tokenization:

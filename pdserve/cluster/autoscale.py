@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.api.metrics import read_metrics
 from pdserve.errors import ConfigError
+from pdserve.openai_api.prometheus import read_metrics
 
 
 @dataclass(frozen=True)

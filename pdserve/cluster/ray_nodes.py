@@ -45,7 +45,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, NodeLoad, parse_load
 from pdserve.config import ProxyConfig
 from pdserve.launch import Node, launch, stop, wait_healthy
-from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
+from pdserve.proxy.app import proxy_uvicorn_config
+from pdserve.proxy.state import ProxyState
 from pdserve.tls import ClusterCA, TLSConfig, write_certs
 
 logger = logging.getLogger(__name__)

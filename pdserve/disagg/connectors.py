@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, Role
+from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, KVTransportKind, Role
 from pdserve.disagg.control import ControlClient, ControlError
 from pdserve.disagg.messages import Handshake, Outcome, ReleaseReason
 from pdserve.disagg.params import (
@@ -55,12 +55,11 @@ from pdserve.disagg.params import (
     model_fingerprint,
 )
 from pdserve.disagg.renewer import LeaseRenewer
-from pdserve.disagg.transport import KVTransport, ReadResult, create_transport
-from pdserve.engine.kv_connector import (
+from pdserve.disagg.transport import InProcessTransport, KVTransport, ReadResult
+from pdserve.engine.kv_connector import KVConnector, KVConnectorFactory
+from pdserve.engine.kv_types import (
     NO_EVENTS,
     ConnectorEvents,
-    KVConnector,
-    KVConnectorFactory,
     KVConnectorStats,
     LoadResult,
     RemoteToken,
@@ -415,3 +414,18 @@ def connector_factory(
 ) -> KVConnectorFactory | None:
     """What the launcher gives the engine for this node's role: None on a `both` node."""
     return None if config.role is Role.BOTH else PDConnectorFactory(config, seams)
+
+
+def create_transport(
+    kind: KVTransportKind | str, agent_name: str, kv_cache: torch.Tensor
+) -> KVTransport:
+    """`kind`: NIXL (the real data plane) or INPROCESS (the unit-test fake), or its value.
+    Here, beside the connectors that use it: `transport.py` is the interface NIXL's
+    transport implements, and naming that implementation there made the two a cycle."""
+    if kind == KVTransportKind.NIXL:
+        from pdserve.disagg.nixl_transport import NixlTransport  # NIXL only where used
+
+        return NixlTransport(agent_name, kv_cache)
+    if kind == KVTransportKind.INPROCESS:
+        return InProcessTransport(agent_name, kv_cache)
+    raise ValueError(f"unknown transport kind {kind!r}: expected 'nixl' or 'inprocess'")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.disagg.config import KVTransferConfig
 from pdserve.disagg.transport import TransportInfo
-from pdserve.engine.kv_connector import KVHandshakeInfo, KVTransferSpec, RemoteToken
+from pdserve.engine.kv_types import KVHandshakeInfo, KVTransferSpec, RemoteToken
 from pdserve.errors import InvalidRequestError
 from pdserve.outputs import TokenLogprob
 

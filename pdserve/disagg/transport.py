@@ -34,8 +34,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pdserve.disagg.config import KVTransportKind
-
 if TYPE_CHECKING:
     import torch
 
@@ -345,16 +343,3 @@ def _as_block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     import torch  # only the engine process, which holds the cache, gets here
 
     return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
-
-
-def create_transport(
-    kind: KVTransportKind | str, agent_name: str, kv_cache: torch.Tensor
-) -> KVTransport:
-    """`kind`: NIXL (the real data plane) or INPROCESS (the unit-test fake), or its value."""
-    if kind == KVTransportKind.NIXL:
-        from pdserve.disagg.nixl_transport import NixlTransport  # NIXL only where used
-
-        return NixlTransport(agent_name, kv_cache)
-    if kind == KVTransportKind.INPROCESS:
-        return InProcessTransport(agent_name, kv_cache)
-    raise ValueError(f"unknown transport kind {kind!r}: expected 'nixl' or 'inprocess'")

@@ -38,12 +38,8 @@ from pdserve.engine.core_messages import (
     Shutdown,
     StepOutputs,
 )
-from pdserve.engine.kv_connector import (
-    KVConnectorFactory,
-    KVConnectorStats,
-    KVHandshakeInfo,
-    KVTransferSpec,
-)
+from pdserve.engine.kv_connector import KVConnectorFactory
+from pdserve.engine.kv_types import KVConnectorStats, KVHandshakeInfo, KVTransferSpec
 from pdserve.errors import KVTransferError, PdserveError, RequestAbortedError, StatusError
 from pdserve.kv_cache.prefix_summary import PrefixIndex
 from pdserve.outputs import ComputeInfo, RequestOutput

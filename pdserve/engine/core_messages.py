@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.kv_connector import NO_STATS, KVConnectorStats, KVHandshakeInfo, KVTransferSpec
+from pdserve.engine.kv_types import NO_STATS, KVConnectorStats, KVHandshakeInfo, KVTransferSpec
 from pdserve.outputs import ComputeInfo, RequestOutput
 from pdserve.sampling_params import SamplingParams
 

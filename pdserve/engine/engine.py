@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from pdserve import structured
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnectorFactory, KVTransferSpec, NoKVConnector
+from pdserve.engine.kv_connector import KVConnectorFactory, NoKVConnector
+from pdserve.engine.kv_types import KVTransferSpec
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler

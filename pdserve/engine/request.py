@@ -20,7 +20,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.kv_connector import KVTransferSpec, RemoteToken
+from pdserve.engine.kv_types import KVTransferSpec, RemoteToken
 from pdserve.outputs import RequestTimes, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 

@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from pdserve.batch import ScheduledRequest, SchedulerOutput
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, NoKVConnector
+from pdserve.engine.kv_connector import KVConnector, NoKVConnector
+from pdserve.engine.kv_types import ConnectorEvents
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.errors import ConfigError
 from pdserve.kv_cache.kv_cache_manager import KVCacheManager

@@ -31,7 +31,7 @@ from pdserve.errors import ModelLoadError
 from pdserve.model.arch import ModelArch, longrope_attention_factor
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.family import Activation
-from pdserve.model.ops import TORCH_OPS, TorchOps
+from pdserve.model.ops import TORCH_OPS, Ops
 from pdserve.model.quant import QuantEmbedding, QuantLinear, QuantModule, QuantType
 
 
@@ -180,7 +180,7 @@ class Attention(nn.Module):
         rope: object,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
-        ops: TorchOps,
+        ops: Ops,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = ops.linear(x, self.qkv_proj)
@@ -201,7 +201,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj)
         if self.activation is Activation.GELU_TANH:
             act = ops.gelu_tanh_mul(gate_up)
@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
         ropes: tuple[object, ...],
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
-        ops: TorchOps,
+        ops: Ops,
     ) -> torch.Tensor:
         """Add the previous layer's `delta` into the residual stream `x` (in place), run
         the layer, and return this layer's delta (its MLP output, not yet added)."""
@@ -332,7 +332,7 @@ class DecoderModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-        ops: TorchOps = TORCH_OPS,
+        ops: Ops = TORCH_OPS,
     ) -> torch.Tensor:
         """Run one step; return logits for the tokens at `logits_indices` only, as
         `ops.logits` computes them (float32 on the bf16 CPU kernels, else the model's

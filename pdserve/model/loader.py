@@ -224,7 +224,7 @@ def plan_quantization(
     if cfg.batch_invariant:  # ModelConfig refuses an explicit format with it
         return {}, "none (auto: batch_invariant computes on dense weights)"
     from pdserve.model import cpu_kernels
-    from pdserve.model.ops import cpu_kernels_for
+    from pdserve.model.backends import cpu_kernels_for
 
     kernels = cpu_kernels_for(cfg.kernels, device, dtype, arch)
     inner = (arch.hidden_size, arch.num_heads * arch.head_dim, arch.intermediate_size)

@@ -24,8 +24,8 @@ from pdserve.model.attention import (
     DecodeGroup,
     PrefillChunk,
 )
+from pdserve.model.backends import select_ops
 from pdserve.model.loader import LoadedModel
-from pdserve.model.ops import select_ops
 from pdserve.model.sampler import grammar_masks, prompt_logprobs, sample
 from pdserve.outputs import ComputeInfo, TokenLogprob
 

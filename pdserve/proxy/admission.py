@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.api.errors import error_response
 from pdserve.config import ProxyConfig
+from pdserve.openai_api.errors import error_response
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
-from pdserve.api.errors import error_response
+from pdserve.openai_api.errors import error_response
 from pdserve.proxy.assembler import StreamAssembler
 from pdserve.proxy.client import Client, Stage
 from pdserve.proxy.pool import Backend
@@ -18,7 +18,7 @@ from pdserve.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTime
 from pdserve.tracing import Span
 
 if TYPE_CHECKING:
-    from pdserve.proxy.app import ProxyState
+    from pdserve.proxy.state import ProxyState
 
 
 async def read_answer(response: UpstreamResponse) -> dict[str, Any] | StreamAssembler:

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.batched import interleaved, with_prompt_ids
-from pdserve.api.errors import error_response
-from pdserve.api.protocol import MAX_PROMPTS
-from pdserve.api.responses import merge_answers
+from pdserve.openai_api.errors import error_response
+from pdserve.openai_api.protocol import MAX_PROMPTS
+from pdserve.openai_api.responses import merge_answers
+from pdserve.openai_api.streams import interleaved, with_prompt_ids
 from pdserve.proxy.client import Client
 
 if TYPE_CHECKING:
-    from pdserve.proxy.app import ProxyState
+    from pdserve.proxy.state import ProxyState
 
 Route = Callable[["ProxyState", Client, str, dict[str, Any]], Awaitable[Response]]
 

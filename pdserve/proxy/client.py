@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from pdserve.api.caller import client_request_id, request_span, unless_gone, wait_disconnect
+from pdserve.openai_api.caller import client_request_id, request_span, unless_gone, wait_disconnect
 from pdserve.proxy.upstream import UpstreamResponse
 
 T = TypeVar("T")

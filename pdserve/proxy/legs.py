@@ -54,12 +54,13 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.caller import (
+from pdserve.errors import PdserveError
+from pdserve.openai_api.caller import (
     ClientGone,
     client_request_id,
 )
-from pdserve.api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
-from pdserve.errors import PdserveError
+from pdserve.openai_api.errors import MAX_BODY_BYTES, error_response, from_exception, read_json
+from pdserve.openai_api.protocol import scores_prompt
 from pdserve.proxy.answers import (
     forward_error,
     merge_usage,
@@ -78,7 +79,7 @@ from pdserve.proxy.upstream import Unreachable, UpstreamError, UpstreamResponse
 from pdserve.tracing import Span, SpanKind
 
 if TYPE_CHECKING:
-    from pdserve.proxy.app import ProxyState
+    from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ async def _route(state: ProxyState, client: Client, path: str, body: dict[str, A
     if prompts is not None:
         return await route_each(state, client, path, body, prompts, _route)
     prompt = state.router.prompt(body, chat=not completions)
-    if completions and _scores_prompt(body):
+    if completions and scores_prompt(body):
         # Its prompt's logprobs are the point (lm-eval's loglikelihood: echo, logprobs,
         # max_tokens 0 or 1): prompt work, for a prefill node, and no handoff to make.
         state.metrics.paths.labels("prefill_only").inc()
@@ -150,14 +151,6 @@ async def _route(state: ProxyState, client: Client, path: str, body: dict[str, A
         raise ClientGone
     usage = answer.get("usage") or {}
     return await _decode_leg(state, client, path, body, held, usage, prompt, None)
-
-
-def _scores_prompt(body: dict[str, Any]) -> bool:
-    """A completion that asks for its prompt's logprobs (echo with logprobs), or for
-    nothing but its prompt computed (max_tokens 0)."""
-    return body.get("max_tokens") == 0 or (
-        bool(body.get("echo")) and body.get("logprobs") is not None
-    )
 
 
 async def _client_body(request: Request) -> dict[str, Any] | Response:

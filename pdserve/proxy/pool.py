@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.api.metrics import read_metrics
 from pdserve.kv_cache.prefix_summary import EMPTY, CachedPrefixes, MalformedSummary, parse_summary
+from pdserve.openai_api.prometheus import read_metrics
 from pdserve.proxy.upstream import Node, UpstreamResponse
 
 logger = logging.getLogger(__name__)

@@ -111,8 +111,8 @@ class Router:
             return None  # a batch, a bad body: the node says why
         try:
             if chat:
-                from pdserve.api.errors import validate_body
-                from pdserve.api.protocol import ChatCompletionRequest
+                from pdserve.openai_api.errors import validate_body
+                from pdserve.openai_api.protocol import ChatCompletionRequest
 
                 request = validate_body(body, ChatCompletionRequest)
                 spec = request.tool_spec()

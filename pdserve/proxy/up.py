@@ -25,7 +25,6 @@ import httpx
 import uvicorn
 
 from pdserve import logs, tracing
-from pdserve.api.node_flags import add_node_args, node_argv
 from pdserve.config import ProxyConfig
 from pdserve.launch import (
     Node,
@@ -35,8 +34,10 @@ from pdserve.launch import (
     wait_healthy,
     was_terminated,
 )
-from pdserve.proxy.app import ProxyState, proxy_uvicorn_config
+from pdserve.node_flags import add_node_args, node_argv
+from pdserve.proxy.app import proxy_uvicorn_config
 from pdserve.proxy.routing import add_routing_args, routing_options
+from pdserve.proxy.state import ProxyState
 from pdserve.tls import TLSConfig, make_cluster_certs
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pdserve.api.auth import bearer_matches
 from pdserve.disagg.handoff import HandoffState, HandoffTable
 from pdserve.disagg.messages import (
     AbortRequest,
@@ -40,6 +39,7 @@ from pdserve.disagg.messages import (
     RenewReply,
 )
 from pdserve.errors import InvalidRequestError
+from pdserve.openai_api.auth import bearer_matches
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logging: its format, its level
 SHUTDOWN_POLL_S = 0.05  # how soon close() returns: serve_forever checks this often

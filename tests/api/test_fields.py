@@ -14,8 +14,8 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from pdserve.api import fields
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.openai_api import fields
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tests.api.conftest import API_KEY, Server
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

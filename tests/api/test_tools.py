@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.api.responses import ChoiceBuilder
 from pdserve.errors import InvalidRequestError
 from pdserve.model.files import load_tokenizer
+from pdserve.openai_api.responses import ChoiceBuilder
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.proxy.assembler import StreamAssembler
 from pdserve.sampling_params import SamplingParams

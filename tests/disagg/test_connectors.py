@@ -31,7 +31,7 @@ from pdserve.disagg.control import ControlClient, ControlError, Handshake
 from pdserve.disagg.messages import Outcome, ReleaseReason
 from pdserve.disagg.params import HandoffRef, KVLayout, RemoteDecode, RemotePrefill
 from pdserve.disagg.transport import InProcessTransport
-from pdserve.engine.kv_connector import (
+from pdserve.engine.kv_types import (
     NO_EVENTS,
     ConnectorEvents,
     KVTransferSpec,

@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.disagg.connectors import create_transport
 from pdserve.disagg.transport import (
     InProcessTransport,
     KVTransport,
     ReadResult,
     TransportInfo,
-    create_transport,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

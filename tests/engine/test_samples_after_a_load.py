@@ -9,12 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_connector import (
-    ConnectorEvents,
-    KVConnector,
-    KVTransferSpec,
-    LoadResult,
-)
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_types import ConnectorEvents, KVTransferSpec, LoadResult
 from pdserve.engine.request import Request
 from pdserve.llm import engine_config
 from pdserve.outputs import RequestOutput

@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.batch import SchedulerOutput
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, LoadResult
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_types import ConnectorEvents, LoadResult
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.errors import ConfigError

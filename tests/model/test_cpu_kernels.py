@@ -25,8 +25,10 @@ from pdserve.model.attention import (
     causal_mask_with_context,
     decode_attention_gathered,
 )
+from pdserve.model.backends import select_ops
 from pdserve.model.cpu_isa import CpuIsa
-from pdserve.model.ops import CpuKernelOps, TorchOps, select_ops
+from pdserve.model.cpu_ops import CpuKernelOps
+from pdserve.model.ops import TorchOps
 from tests.conftest import assert_matches_hf, cpu_level
 
 BF16 = torch.bfloat16

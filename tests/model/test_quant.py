@@ -15,9 +15,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model import cpu_isa, cpu_kernels, quant
+from pdserve.model.cpu_ops import CpuKernelOps
 from pdserve.model.files import default_model_path
 from pdserve.model.loader import load_model
-from pdserve.model.ops import CpuKernelOps
 from pdserve.model.quant import QuantLinear, QuantType
 from tests.conftest import assert_matches_hf, cpu_level
 from tests.model.test_cpu_kernels import VARIANTS, variant_params

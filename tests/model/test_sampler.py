@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.kv_connector import RemoteToken
+from pdserve.engine.kv_types import RemoteToken
 from pdserve.engine.request import Request
 from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams

@@ -10,6 +10,7 @@ content is refused the same way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -17,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.json_schema import JsonDict
 
 from pdserve import structured
-from pdserve.api import fields
 from pdserve.errors import InvalidRequestError, StatusError
+from pdserve.openai_api import fields
 from pdserve.sampling_params import SamplingParams
 from pdserve.tools import ToolSpec
 
@@ -78,7 +79,13 @@ class _SamplingFields(BaseModel):
     def _screen(cls, data: Any) -> Any:
         return fields.screen(data, set(cls.model_fields)) if isinstance(data, dict) else data
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def output_limits(self) -> tuple[int | None, int | None]:
+        """(max output tokens, logprobs per token): each request kind reads its own fields
+        and defaults (the one place they are decided)."""
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens, logprobs = self.output_limits()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -114,6 +121,19 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+DEFAULT_COMPLETION_TOKENS = 16
+"""A completion's `max_tokens` when none is sent (OpenAI's legacy API)."""
+
+
+def scores_prompt(body: Mapping[str, Any]) -> bool:
+    """A completions body whose point is its prompt: its logprobs (echo with logprobs), or
+    the prompt computed and nothing generated (max_tokens 0). The proxy runs such a call
+    whole on a prefill node (prompt work, no handoff)."""
+    return body.get("max_tokens") == 0 or (
+        bool(body.get("echo")) and body.get("logprobs") is not None
+    )
 
 
 def check_model(asked: str | None, served: str) -> None:
@@ -162,10 +182,15 @@ class CompletionRequest(_SamplingFields):
                 raise InvalidRequestError(f"{where} must not be empty", param="prompt")
         return many  # type: ignore[return-value]
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
-        if self.echo and logprobs is not None:
-            params = replace(params, prompt_logprobs=logprobs)
+    def output_limits(self) -> tuple[int | None, int | None]:
+        """OpenAI's completions default to 16 tokens; 0 computes the prompt only."""
+        return (DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens,
+                self.logprobs)  # fmt: skip
+
+    def sampling_params(self) -> SamplingParams:
+        params = super().sampling_params()
+        if self.echo and params.logprobs is not None:
+            params = replace(params, prompt_logprobs=params.logprobs)
         return params
 
 
@@ -369,6 +394,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     _parse_messages = field_validator("messages", mode="before")(parse_messages)
 
+    def output_limits(self) -> tuple[int | None, int | None]:
+        """The context is the limit unless one is given; logprobs only when asked."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.template_input() for m in self.messages]
 
@@ -390,3 +420,30 @@ class ChatCompletionRequest(_SamplingFields):
             )
         structured.check(forced, "tools")
         return forced
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Rendered into the prompt as a chat with them would be (`pdserve/tools.py`)."""
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """The chat template's extra variables, as a chat request's."""
+    add_special_tokens: bool = True
+    """The model's BOS where its tokenizer adds one and the text does not start with it,
+    as the engine encodes completion prompts and rendered chats alike (vLLM defaults to
+    false for messages; here the count must be what a chat computes)."""
+    return_token_strs: bool = False
+
+    _parse_messages = field_validator("messages", mode="before")(parse_messages)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]

@@ -65,16 +65,10 @@ class ChoiceBuilder:
 
     @classmethod
     def for_request(cls, body: Any, chat: bool, model: str, thinks: bool = False) -> ChoiceBuilder:
-        if chat:
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            logprobs = body.logprobs
         prefix = "chatcmpl" if chat else "cmpl"
         return cls(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
-            params=body.sampling_params(max_tokens, logprobs),
+            params=body.sampling_params(),
             chat=chat,
             model=model,
             include_usage=body.include_usage,

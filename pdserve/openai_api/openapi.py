@@ -16,8 +16,12 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.routing import Route
 
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.api.tokenize import DetokenizeRequest, TokenizeRequest
+from pdserve.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, type[BaseModel]] = {

@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from pdserve import tracing
 from pdserve.tracing import Span
-
-if TYPE_CHECKING:
-    from pdserve.engine.async_client import AsyncEngineClient
 
 T = TypeVar("T")
 
@@ -78,16 +75,6 @@ async def unless_gone_closing(
         return None
     finally:
         gone.cancel()
-
-
-async def abort_on_disconnect(
-    request: Request, client: AsyncEngineClient, request_ids: list[str]
-) -> None:
-    """Abort a stream's engine requests as soon as its client disconnects: a streaming
-    response notices a gone client only when its next write fails, one token later. (The
-    stream's own cleanup aborts again: abort is idempotent.)"""
-    await wait_disconnect(request)
-    await client.abort(request_ids)
 
 
 def request_span(request: Request, request_id: str) -> Span:
