@@ -32,14 +32,15 @@ run: setup
 	$(VENV)/bin/pdserve up --ask "What is the capital of France?"
 
 test: setup
-	$(PY) -m pytest tests -m "not vllm and not system" --durations=25
+	$(PY) -m pytest tests -m "not vllm and not system" -rs --durations=25
 
 # Whole-system runs, minutes each: the chaos harness's CI-sized runs (local, in network
 # namespaces where they can be made), Ray clusters (`pdserve ray up`, chaos on Ray, a
 # raylet's death), the routing bench. Kept out of `make test` so the everyday suite stays
 # near 10 minutes on 2 cores; `.ci/run` runs both.
 test-system: setup
-	$(PY) -m pytest tests -m "system and not vllm" --durations=10
+	bench/llamacpp/setup.sh  # llama.cpp, the accuracy reference (a few minutes, once)
+	$(PY) -m pytest tests -m "system and not vllm" -rs --durations=10
 
 # pdserve's connector in real vLLM nodes: installs vLLM's CPU build, NIXL and pdserve into
 # bench/.venv-vllm (~3.5 GB, a few minutes, once), then runs tests/vllm against it.

@@ -96,6 +96,18 @@ NEVER = {"proxy": {"api"}, "cluster": {"api"}, "vllm": {"api"}}
 speak to nodes over HTTP and share the OpenAI layer (`openai_api`), never the node server."""
 
 
+def test_pdserve_never_imports_the_benchmarks() -> None:
+    """`bench/pdserve_bench` imports pdserve; pdserve finds its commands by an entry point
+    (`pdserve.bench`), never by name."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path}:{node.lineno}" for n in names if n.split(".")[0] == "pdserve_bench"]
+    assert not found, found
+
+
 def test_the_proxy_and_the_integrations_never_import_the_node_server() -> None:
     found = [
         f"{src}:{line} imports {dst}"

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cryptography  # noqa: F401  (the tls extra: requirements-dev.txt)
 import httpx
 import pytest
 
@@ -29,8 +30,6 @@ from tests.disagg.conftest import (
     prefill_leg,
     token_ids,
 )
-
-pytest.importorskip("cryptography", reason="the tls extra is not installed")
 
 API_KEY = "test-key"  # node_args' key
 CLUSTER_SECRET = "cluster-secret-b7e1c04f9d"

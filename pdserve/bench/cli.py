@@ -2,12 +2,17 @@
 bench serve`) ships with pdserve; the harnesses (offline, pd, proxy, chaos, kernels,
 accuracy, routing, serve --compare) and their peers' drivers are the `pdserve-bench`
 distribution in the repository's `bench/` folder (`pip install -e bench`; `make setup`
-does), added here when it is installed."""
+does), added here when it is installed.
+
+A distribution adds commands through the entry point group `pdserve.bench` (a module with
+`add_parsers(bench_subparsers)` and `serve_compare(args)`): pdserve never names it, so the
+benchmarks import pdserve and never the reverse (tests/test_layers.py)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+from functools import cache
+from importlib.metadata import entry_points
 from typing import Any
 
 DTYPES = ["auto", "bfloat16", "float32"]
@@ -18,8 +23,15 @@ NOT_INSTALLED = (
 )
 
 
+@cache
+def _plugin() -> Any | None:
+    """The installed harnesses' module (entry point group `pdserve.bench`), or None."""
+    found = entry_points(group="pdserve.bench", name="harnesses")
+    return next(iter(found)).load() if found else None
+
+
 def harnesses_installed() -> bool:
-    return importlib.util.find_spec("pdserve_bench") is not None
+    return _plugin() is not None
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -48,10 +60,9 @@ def add_bench_parser(sub: Any) -> None:
     cmp.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     srv.set_defaults(func=_serve)
 
-    if harnesses_installed():
-        from pdserve_bench.cli import add_parsers
-
-        add_parsers(bench_sub)
+    plugin = _plugin()
+    if plugin is not None:
+        plugin.add_parsers(bench_sub)
         return
     for name in HARNESSES:  # named, so a user learns what to install instead of "invalid choice"
         harness = bench_sub.add_parser(
@@ -75,11 +86,10 @@ def _serve(args: argparse.Namespace) -> int:
     if (args.url is None) == (args.compare is None):
         raise SystemExit("pdserve bench serve: give --url (a running server) or --compare")
     if args.compare:
-        if not harnesses_installed():
+        plugin = _plugin()
+        if plugin is None:
             raise SystemExit(NOT_INSTALLED.format(name="serve --compare"))
-        from pdserve_bench.cli import serve_compare
-
-        return serve_compare(args)
+        return int(plugin.serve_compare(args))
     from pdserve.bench.serve_report import run
 
     return run(args)

@@ -94,10 +94,10 @@ def test_bench_accuracy_on_the_default_model(
     assert "q4_1" in gguf["weights"]
 
 
+@pytest.mark.system  # `make test-system` builds llama.cpp (bench/llamacpp/setup.sh) first
 def test_llamacpp_reference_scores_the_same_tokens(capsys: pytest.CaptureFixture[str]) -> None:
     reason = accuracy.llamacpp_missing_reason("default")
-    if reason is not None:
-        pytest.skip(f"llama.cpp reference: {reason}")
+    assert reason is None, f"llama.cpp reference: {reason}"
     args = ["bench", "accuracy", "--max-tokens", "200", "--window", "128", "--stride", "64"]
     assert main([*args, "--formats", "f32-gguf", "--json"]) == 0
     rows = {r["system"]: r for r in json.loads(capsys.readouterr().out.splitlines()[-1])}

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import ray
 
 from pdserve.launch import free_port, health_status
 from tests.api.conftest import API_KEY
@@ -33,7 +34,6 @@ from tests.disagg.conftest import (
 )
 from tests.proxy.conftest import chat_model_dir  # noqa: F401  (a fixture: the tiny model that chats)
 
-pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.system]
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -61,7 +61,6 @@ class RayCluster:
         process's own Ray connection, made on first use (`local_ray` set the auth mode):
         the CLI (a process that joins Ray each time, ~2 s of CPU) is called where the
         command itself is under test."""
-        import ray
 
         from pdserve.cluster import ray_nodes
 
@@ -248,7 +247,6 @@ def test_a_second_cluster_over_tls_answers_on_the_same_ray_cluster(
 ) -> None:
     """`ray up --tls --cluster-name`: the controller's CA issues each node a certificate
     for its Ray node's IP; every URL is https and the answer comes through."""
-    pytest.importorskip("cryptography", reason="the tls extra is not installed")
     done = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", ray_cluster.address,
          "--cluster-name", "tls-test", "--tls", "--port", str(free_port()),
@@ -329,7 +327,6 @@ def test_autoscaling_scales_within_its_bounds_from_the_nodes_metrics(
 ) -> None:
     """Idle nodes: decode grows to its minimum of 2 and stays (never below it), prefill
     stays at 1 (idle, at its minimum). Last in the module: the autoscaler runs on."""
-    import ray
 
     from pdserve.cluster.autoscale import AutoscaleConfig
     from pdserve.cluster.ray_nodes import find_controller

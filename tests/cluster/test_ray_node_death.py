@@ -22,7 +22,6 @@ from tests.cluster.test_ray import (
 )
 from tests.disagg.conftest import completion, make_prompt
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.system]
 
 

@@ -9,7 +9,6 @@ then serves JSON-line commands on stdin until stdin closes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -345,9 +344,6 @@ def read_command(owner: Node, remote: list[int], local: list[int], timeout_s: fl
     }
 
 
-needs_nixl = pytest.mark.skipif(
-    importlib.util.find_spec("nixl_cu12") is None, reason="nixl-cu12 is not installed"
-)
 
 
 @pytest.fixture(scope="module", params=["default", "tcp"])
@@ -367,7 +363,6 @@ def owner_and_reader(ucx_tls: str | None) -> Iterator[tuple[Node, Node]]:
         owner.stop()
 
 
-@needs_nixl
 @pytest.mark.timeout(60)
 def test_nixl_read_lands_every_byte(owner_and_reader: tuple[Node, Node]) -> None:
     owner, reader = owner_and_reader
@@ -380,7 +375,6 @@ def test_nixl_read_lands_every_byte(owner_and_reader: tuple[Node, Node]) -> None
         assert result["num_bytes"] == 5 * 64 * 1024
 
 
-@needs_nixl
 @pytest.mark.timeout(60)
 def test_nixl_read_from_a_killed_owner_fails_without_hanging(
     owner_and_reader: tuple[Node, Node], ucx_tls: str | None
@@ -400,7 +394,6 @@ def test_nixl_read_from_a_killed_owner_fails_without_hanging(
         doomed.stop()
 
 
-@needs_nixl
 @pytest.mark.timeout(60)
 def stop_process(pid: int) -> None:
     """SIGSTOP `pid` and wait until every one of its threads has stopped: kill() only
@@ -458,7 +451,6 @@ if __name__ == "__main__" and sys.argv[1] == "node":
     _node_main(sys.argv[2], sys.argv[3], float(sys.argv[4]))
 
 
-@needs_nixl
 def test_an_idle_nixl_transport_polls_slowly_until_it_has_work() -> None:
     """Idle, the progress thread waits IDLE_WAIT_S (polling every millisecond cost an idle
     node 3-4% of a core); a held handoff or a read brings back millisecond polls."""
