@@ -65,7 +65,7 @@ def test_without_pdserve_bench_a_harness_says_what_to_install(
     from pdserve.bench import cli as bench_cli
     from pdserve.cli import main
 
-    monkeypatch.setattr(bench_cli, "harnesses_installed", lambda: False)
+    monkeypatch.setattr(bench_cli, "harnesses", lambda: None)
     with pytest.raises(SystemExit, match="pip install -e bench"):
         main(argv)
     with pytest.raises(SystemExit, match="needs the pdserve-bench"):

@@ -24,14 +24,11 @@ NOT_INSTALLED = (
 
 
 @cache
-def _plugin() -> Any | None:
+def harnesses() -> Any | None:
     """The installed harnesses' module (entry point group `pdserve.bench`), or None."""
     found = entry_points(group="pdserve.bench", name="harnesses")
     return next(iter(found)).load() if found else None
 
-
-def harnesses_installed() -> bool:
-    return _plugin() is not None
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -60,7 +57,7 @@ def add_bench_parser(sub: Any) -> None:
     cmp.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     srv.set_defaults(func=_serve)
 
-    plugin = _plugin()
+    plugin = harnesses()
     if plugin is not None:
         plugin.add_parsers(bench_sub)
         return
@@ -86,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
     if (args.url is None) == (args.compare is None):
         raise SystemExit("pdserve bench serve: give --url (a running server) or --compare")
     if args.compare:
-        plugin = _plugin()
+        plugin = harnesses()
         if plugin is None:
             raise SystemExit(NOT_INSTALLED.format(name="serve --compare"))
         return int(plugin.serve_compare(args))

@@ -344,8 +344,6 @@ def read_command(owner: Node, remote: list[int], local: list[int], timeout_s: fl
     }
 
 
-
-
 @pytest.fixture(scope="module", params=["default", "tcp"])
 def ucx_tls(request: pytest.FixtureRequest) -> str | None:
     return None if request.param == "default" else request.param
