@@ -30,7 +30,6 @@ def harnesses() -> Any | None:
     return next(iter(found)).load() if found else None
 
 
-
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
