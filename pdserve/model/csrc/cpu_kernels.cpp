@@ -237,115 +237,15 @@ void pd_linear_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int
   pd_linear_small(x, w, bias, y, M, N, K);
 }
 
-// ---------------------------------------------------------------------------------------
-// x = x + delta (when delta is given, rounded to bf16 like PyTorch's add), then
-// out = x * rsqrt(mean(x^2) + eps) * weight. Rows of H elements, H % 16 == 0.
-
 }  // extern "C"
 
-// One row of pd_add_rms_norm (out may be x: each element is read before it is written).
-static inline void rms_norm_row(bf16* xr, const bf16* delta, const bf16* weight, bf16* out,
-                                int64_t H, float eps) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < H; i += 16) {
-    __m512 v = load16(xr + i);
-    if (delta) {
-      v = _mm512_add_ps(v, load16(delta + i));
-      store16(xr + i, v);
-      v = load16(xr + i);  // the rounded sum, as the residual stream keeps it
-    }
-    ss = _mm512_fmadd_ps(v, v, ss);
-  }
-  const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps);
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t i = 0; i < H; i += 16)
-    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), scale), load16(weight + i)));
-}
-
-extern "C" {
-
-void pd_add_rms_norm(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t T,
-                     int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T > 1)
-  for (int64_t t = 0; t < T; t++)
-    rms_norm_row(x + t * H, delta ? delta + t * H : nullptr, weight, out + t * H, H, eps);
-}
-
-// Qwen3's and Gemma 3's per-head norms: each q head and each k head of a fused
-// qkv[T, H + 2 Hkv, D] buffer normalized in place (as pd_add_rms_norm normalizes a row).
-void pd_head_norms(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const bf16* q_norm,
-                   const bf16* k_norm, float eps) {
-  const int64_t heads = H + Hkv, width = (H + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static) if (T * heads >= 64)
-  for (int64_t i = 0; i < T * heads; i++) {
-    bf16* row = qkv + (i / heads) * width + (i % heads) * D;
-    rms_norm_row(row, nullptr, i % heads < H ? q_norm : k_norm, row, D, eps);
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]; I % 16 == 0.
-
-void pd_silu_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 16384)
-  for (int64_t t = 0; t < T; t++) {
-    const bf16* g = gate_up + t * 2 * I;
-    for (int64_t i = 0; i < I; i += 16) {
-      __m512 gv = load16(g + i);
-      __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                    vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      store16(out + t * I + i, _mm512_mul_ps(silu, load16(g + I + i)));
-    }
-  }
-}
-
-// out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, I + i] (GeGLU: Gemma's MLP).
-void pd_gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 16384)
-  for (int64_t t = 0; t < T; t++) {
-    const bf16* g = gate_up + t * 2 * I;
-    for (int64_t i = 0; i < I; i += 16)
-      store16(out + t * I + i, _mm512_mul_ps(vec::gelu_tanh(load16(g + i)), load16(g + I + i)));
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Rotary (rotate-half form) applied in place to the query and key heads of a fused
-// qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
-// cache slots. cos/sin are fp32 tables [max_positions, D] (each half repeats the other).
-// The cache, in a paged::KVFormat, is addressed by strides (in its elements): block, K/V
-// plane, token; heads are contiguous within a token. D % 32 == 0.
-
-void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                        const float* cos, const float* sin, const int64_t* positions, void* kv,
-                        int64_t kv_format, int64_t s_block, int64_t s_kv, int64_t s_tok,
-                        const int64_t* slot_blocks, const int64_t* slot_offsets) {
-  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static) if (T > 1)
-  for (int64_t t = 0; t < T; t++) {
-    bf16* row = qkv + t * width;
-    const float* c = cos + positions[t] * D;
-    const float* s = sin + positions[t] * D;
-    for (int64_t h = 0; h < H + Hkv; h++) {
-      bf16* x = row + h * D;
-      for (int64_t i = 0; i < half; i += 16) {
-        __m512 x1 = load16(x + i), x2 = load16(x + half + i);
-        __m512 c1 = _mm512_loadu_ps(c + i), s1 = _mm512_loadu_ps(s + i);
-        store16(x + i, _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1)));
-        store16(x + half + i, _mm512_fmadd_ps(x2, c1, _mm512_mul_ps(x1, s1)));
-      }
-    }
-    const int64_t slot = slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
-    if (kv_format == paged::kKVInt8) {
-      attn::store_kv_int8(row + H * D, row + (H + Hkv) * D, static_cast<int8_t*>(kv) + slot,
-                          s_kv, Hkv, D, to_f32);
-    } else {
-      bf16* dst = static_cast<bf16*>(kv) + slot;
-      memcpy(dst, row + H * D, Hkv * D * sizeof(bf16));                // keys
-      memcpy(dst + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(bf16));  // values
-    }
-  }
-}
+namespace elem {  // entry_points.h's element I/O: bf16, widened to float
+using T = bf16;
+inline __m512 load(const bf16* p) { return load16(p); }
+inline void store(bf16* p, __m512 v) { store16(p, v); }
+inline float to_float(bf16 v) { return to_f32(v); }
+}  // namespace elem
+#include "entry_points.h"
 
 // ---------------------------------------------------------------------------------------
 // Decode attention straight from the paged cache: one query token per sequence, keys and
@@ -365,8 +265,6 @@ void pd_rotary_write_kv(bf16* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
 // old per-head loop (two passes per query head, an address lookup per key per head, 4 FMA
 // chains) read the mixed benchmark's KV at ~7.6 GB/s; this one at 13-17 GB/s
 // from memory, 22 GB/s from cache (docs/benchmarks.md). Scoring is now the larger half.
-
-}  // extern "C"
 
 namespace {
 
@@ -641,9 +539,9 @@ int pd_decode_attention(const bf16* q, int64_t q_stride, const void* kv, int64_t
                                             block_size, scale, window);
 }
 
-// Every layer of a decode-only step in one call (paged_decode.h). A layer table's packed
+// The one-call step's linear (entry_points.h's pd_decode_layers): a layer table's packed
 // weights are the AMX linear's tiles, or all null: then every linear takes the small-M
-// kernel. The caller picks the table by the step's rows.
+// kernel.
 
 void pd_linear_amx(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t M,
                    int64_t N, int64_t K);
@@ -657,6 +555,14 @@ static void step_linear(const bf16* x, const void* w, const bf16* packed, int64_
   else
     pd_linear_small(x, static_cast<const bf16*>(w), bias, y, M, N, K);
 }
+
+}  // extern "C"
+
+// One loop sums a row at every row count here (the caller picks AMX or not for the whole
+// step): a batch-invariant step needs nothing of its own.
+elem::StepLinear elem::step_linear(bool) { return ::step_linear; }
+
+extern "C" {
 
 // Weights in a GGUF block format (quant_linear.h); -1 for a format without a kernel.
 int pd_linear_quant(const bf16* x, const uint8_t* w, int64_t type, const bf16* bias, bf16* y,
@@ -682,24 +588,6 @@ int pd_dequantize(const uint8_t* w, int64_t type, bf16* out, int64_t N, int64_t 
   return quant::dequantize(w, type, out, N, K);
 }
 
-int pd_decode_layers(const paged::DecodeLayer<bf16>* layers, int64_t num_layers, bf16* x,
-                     bf16* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t inter, float eps, float scale,
-                     const int64_t* positions, int64_t kv_format,
-                     int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
-                     const int64_t* slot_offsets, const int64_t* block_tables,
-                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
-                     int64_t /*batch_invariant*/) {
-  // One loop sums a row at every row count here (the caller picks AMX or not for the
-  // whole step): a batch-invariant step needs nothing of its own.
-  static const paged::StepKernels<bf16> kernels{pd_add_rms_norm, step_linear,
-                                                pd_rotary_write_kv, pd_decode_attention,
-                                                pd_silu_mul, pd_gelu_tanh_mul, pd_head_norms};
-  return paged::decode_layers(kernels, layers, num_layers, x, delta_out, T, hidden, H, Hkv, D,
-                              inter, eps, scale, positions, kv_format, s_block,
-                              s_kv, s_tok, slot_blocks, slot_offsets, block_tables,
-                              max_blocks, seq_lens, block_size);
-}
 
 }  // extern "C"
 

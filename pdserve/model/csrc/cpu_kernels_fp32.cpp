@@ -277,114 +277,15 @@ int pd_dequantize(const uint8_t* w, int64_t type, float* out, int64_t N, int64_t
   return quant::dequantize(w, type, out, N, K);
 }
 
-// ---------------------------------------------------------------------------------------
-// x = x + delta (when delta is given), then out = x * rsqrt(mean(x^2) + eps) * weight.
-// Rows of H elements, H % kLanes == 0.
-
 }  // extern "C"
 
-// One row of pd_add_rms_norm (out may be x: each element is read before it is written).
-static inline void rms_norm_row(float* xr, const float* delta, const float* weight, float* out,
-                                int64_t H, float eps) {
-  F ss = vec::zero();
-  for (int64_t i = 0; i < H; i += kLanes) {
-    F v = vec::load(xr + i);
-    if (delta) {
-      v = vec::add(v, vec::load(delta + i));
-      vec::store(xr + i, v);
-    }
-    ss = vec::fmadd(v, v, ss);
-  }
-  const F scale = vec::set1(1.0f / sqrtf(vec::reduce_add(ss) / static_cast<float>(H) + eps));
-  for (int64_t i = 0; i < H; i += kLanes)
-    vec::store(out + i, vec::mul(vec::mul(vec::load(xr + i), scale), vec::load(weight + i)));
-}
-
-extern "C" {
-
-void pd_add_rms_norm(float* x, const float* delta, const float* weight, float* out, int64_t T,
-                     int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T > 1)
-  for (int64_t t = 0; t < T; t++)
-    rms_norm_row(x + t * H, delta ? delta + t * H : nullptr, weight, out + t * H, H, eps);
-}
-
-// Qwen3's and Gemma 3's per-head norms: each q head and each k head of a fused
-// qkv[T, H + 2 Hkv, D] buffer normalized in place (as pd_add_rms_norm normalizes a row).
-void pd_head_norms(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* q_norm,
-                   const float* k_norm, float eps) {
-  const int64_t heads = H + Hkv, width = (H + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static) if (T * heads >= 64)
-  for (int64_t i = 0; i < T * heads; i++) {
-    float* row = qkv + (i / heads) * width + (i % heads) * D;
-    rms_norm_row(row, nullptr, i % heads < H ? q_norm : k_norm, row, D, eps);
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]; I % kLanes == 0.
-
-void pd_silu_mul(const float* gate_up, float* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 16384)
-  for (int64_t t = 0; t < T; t++) {
-    const float* g = gate_up + t * 2 * I;
-    for (int64_t i = 0; i < I; i += kLanes) {
-      const F gv = vec::load(g + i);
-      const F silu = vec::div(gv, vec::add(vec::set1(1.0f), vec::exp(vec::sub(vec::zero(), gv))));
-      vec::store(out + t * I + i, vec::mul(silu, vec::load(g + I + i)));
-    }
-  }
-}
-
-// out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, I + i] (GeGLU: Gemma's MLP).
-void pd_gelu_tanh_mul(const float* gate_up, float* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 16384)
-  for (int64_t t = 0; t < T; t++) {
-    const float* g = gate_up + t * 2 * I;
-    for (int64_t i = 0; i < I; i += kLanes)
-      vec::store(out + t * I + i, vec::mul(vec::gelu_tanh(vec::load(g + i)), vec::load(g + I + i)));
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Rotary (rotate-half form) applied in place to the query and key heads of a fused
-// qkv[T, H + 2 Hkv, D] buffer, then the rotated keys and the values written to their
-// cache slots. cos/sin are tables [max_positions, D] (each half repeats the other). The
-// cache, in a paged::KVFormat, is addressed by strides (in its elements): block, K/V plane,
-// token; heads are contiguous within a token. D % (2 kLanes) == 0.
-
-void pd_rotary_write_kv(float* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                        const float* cos, const float* sin, const int64_t* positions, void* kv,
-                        int64_t kv_format, int64_t s_block, int64_t s_kv, int64_t s_tok,
-                        const int64_t* slot_blocks, const int64_t* slot_offsets) {
-  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static) if (T > 1)
-  for (int64_t t = 0; t < T; t++) {
-    float* row = qkv + t * width;
-    const float* c = cos + positions[t] * D;
-    const float* s = sin + positions[t] * D;
-    for (int64_t h = 0; h < H + Hkv; h++) {
-      float* x = row + h * D;
-      for (int64_t i = 0; i < half; i += kLanes) {
-        const F x1 = vec::load(x + i), x2 = vec::load(x + half + i);
-        const F c1 = vec::load(c + i), s1 = vec::load(s + i);
-        vec::store(x + i, vec::fmsub(x1, c1, vec::mul(x2, s1)));
-        vec::store(x + half + i, vec::fmadd(x2, c1, vec::mul(x1, s1)));
-      }
-    }
-    const int64_t slot = slot_blocks[t] * s_block + slot_offsets[t] * s_tok;
-    if (kv_format == paged::kKVInt8) {
-      attn::store_kv_int8(row + H * D, row + (H + Hkv) * D, static_cast<int8_t*>(kv) + slot,
-                          s_kv, Hkv, D, [](float v) { return v; });
-    } else {
-      float* dst = static_cast<float*>(kv) + slot;
-      memcpy(dst, row + H * D, Hkv * D * sizeof(float));                // keys
-      memcpy(dst + s_kv, row + (H + Hkv) * D, Hkv * D * sizeof(float));  // values
-    }
-  }
-}
-
-}  // extern "C"
+namespace elem {  // entry_points.h's element I/O: float as it is
+using T = float;
+inline F load(const float* p) { return vec::load(p); }
+inline void store(float* p, F v) { vec::store(p, v); }
+inline float to_float(float v) { return v; }
+}  // namespace elem
+#include "entry_points.h"
 
 extern "C" {
 
@@ -406,38 +307,20 @@ int pd_decode_attention(const float* q, int64_t q_stride, const void* kv, int64_
       max_blocks, seq_lens, out, B, H, Hkv, D, block_size, scale, window);
 }
 
-// Every layer of a decode-only step in one call (paged_decode.h); the packed-weight
-// pointers stay null here. `batch_invariant`: the dense linears on pd_linear_rows, the
-// loop a batch-invariant step's per-op linears take too.
-extern "C++" {
+}  // extern "C"
+
+// The one-call step's linear (entry_points.h's pd_decode_layers); the packed-weight pointers
+// stay null here. `batch_invariant`: the dense linears on pd_linear_rows, the loop a
+// batch-invariant step's per-op linears take too.
 template <void (*Dense)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t)>
-static void step_linear(const float* x, const void* w, const float*, int64_t type,
-                        const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+static void linear_on(const float* x, const void* w, const float*, int64_t type,
+                      const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (type)
     linear_quant(x, static_cast<const uint8_t*>(w), type, bias, y, M, N, K);
   else
     Dense(x, static_cast<const float*>(w), bias, y, M, N, K);
 }
-}
 
-int pd_decode_layers(const paged::DecodeLayer<float>* layers, int64_t num_layers, float* x,
-                     float* delta_out, int64_t T, int64_t hidden, int64_t H, int64_t Hkv,
-                     int64_t D, int64_t inter, float eps, float scale,
-                     const int64_t* positions, int64_t kv_format,
-                     int64_t s_block, int64_t s_kv, int64_t s_tok, const int64_t* slot_blocks,
-                     const int64_t* slot_offsets, const int64_t* block_tables,
-                     int64_t max_blocks, const int64_t* seq_lens, int64_t block_size,
-                     int64_t batch_invariant) {
-  static const paged::StepKernels<float> kernels{pd_add_rms_norm, step_linear<pd_linear_small>,
-                                                 pd_rotary_write_kv, pd_decode_attention,
-                                                 pd_silu_mul, pd_gelu_tanh_mul, pd_head_norms};
-  static const paged::StepKernels<float> invariant{pd_add_rms_norm, step_linear<pd_linear_rows>,
-                                                   pd_rotary_write_kv, pd_decode_attention,
-                                                   pd_silu_mul, pd_gelu_tanh_mul, pd_head_norms};
-  return paged::decode_layers(batch_invariant ? invariant : kernels, layers, num_layers, x,
-                              delta_out, T, hidden, H, Hkv, D, inter, eps, scale,
-                              positions, kv_format, s_block, s_kv, s_tok, slot_blocks,
-                              slot_offsets, block_tables, max_blocks, seq_lens, block_size);
+elem::StepLinear elem::step_linear(bool batch_invariant) {
+  return batch_invariant ? linear_on<pd_linear_rows> : linear_on<pd_linear_small>;
 }
-
-}  // extern "C"
