@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.model import cpu_kernels
+from pdserve.model import cpu_kernels, kernel_build
 from pdserve.model.quant import QuantType
 from pdserve_bench.synthetic_gguf import random_blocks
 
@@ -50,7 +50,7 @@ def library_path(dtype: torch.dtype) -> str:
         raise SystemExit(f"no {dtype} kernels: {cpu_kernels.unavailable_reason(dtype)}")
     build = cpu_kernels.build_for(dtype, effective())
     assert build is not None
-    return str(cpu_kernels._library_path(build))
+    return str(kernel_build.library_path(build))
 
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, qtype: QuantType | None,

@@ -1,5 +1,5 @@
-"""Build, load and call the fused CPU kernels: bf16 (`csrc/cpu_kernels.cpp`) and float32
-(`csrc/cpu_kernels_fp32.cpp`).
+"""Load and call the fused CPU kernels: bf16 (`csrc/cpu_kernels.cpp`) and float32
+(`csrc/cpu_kernels_fp32.cpp`); `kernel_build.py` compiles them.
 
 Which library runs follows the model's dtype and the CPU's level (cpu_isa.py):
 
@@ -27,51 +27,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from pdserve import envs
 from pdserve.model import cpu_isa, kv_format
 from pdserve.model.cpu_isa import CpuIsa
+from pdserve.model.kernel_build import (
+    Build,
+    build_for,
+    build_library,
+    library_path,
+    unavailable_reason,
+)
 from pdserve.model.quant import QuantLinear, QuantType
 
+__all__ = ["CpuKernels", "PdLayer", "build_for", "load", "unavailable_reason"]
+
 logger = logging.getLogger(__name__)
-
-CSRC = Path(__file__).parent / "csrc"
-
-
-@dataclass(frozen=True)
-class Build:
-    """One kernel library: the source, the compiler flags, the dtype it computes in and
-    the lowest CPU level that runs it."""
-
-    name: str
-    source: Path
-    flags: tuple[str, ...]
-    dtype: torch.dtype
-    isa: CpuIsa
-
-
-BUILDS = (
-    Build("bf16", CSRC / "cpu_kernels.cpp", ("-march=native",), torch.bfloat16,
-          CpuIsa.AVX512_BF16),
-    Build("fp32-avx512", CSRC / "cpu_kernels_fp32.cpp",
-          ("-march=x86-64-v4", "-mtune=native", "-DPD_VEC_AVX512"), torch.float32, CpuIsa.AVX512),
-    Build("fp32-avx2", CSRC / "cpu_kernels_fp32.cpp", ("-march=x86-64-v3", "-mtune=native"),
-          torch.float32, CpuIsa.AVX2),
-)  # fmt: skip
-"""Best first: `build_for` takes the first one a dtype and a level allow."""
 
 HEAD_SIZES = (32, 64, 128, 256)
 """Head sizes the decode-attention kernels are specialised for."""
@@ -163,56 +139,6 @@ AMX_SMALL_M = 2
 """With AMX, rows up to which the small-M kernel is still (slightly) faster."""
 
 
-def build_for(dtype: torch.dtype, isa: CpuIsa) -> Build | None:
-    """The library for `dtype` at CPU level `isa`, or None (PyTorch ops)."""
-    return next((b for b in BUILDS if b.dtype == dtype and isa >= b.isa), None)
-
-
-def unavailable_reason(dtype: torch.dtype, isa: CpuIsa | None = None) -> str | None:
-    """Why no kernels run for `dtype` at `isa` (default: this machine's level), or None."""
-    isa = cpu_isa.effective() if isa is None else isa
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return f"not Linux/x86-64 ({platform.system()}/{platform.machine()})"
-    if build_for(dtype, isa) is None:
-        needs = {torch.bfloat16: "avx512_bf16", torch.float32: "avx2"}.get(dtype)
-        if needs is None:
-            return f"no CPU kernels compute in {dtype}"
-        return f"{dtype} kernels need the {needs} level; this CPU runs at {isa.label}"
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        return "no C++ compiler (g++, or $CXX) on PATH"
-    return None
-
-
-def _compile_command(build: Build, output: str) -> list[str]:
-    flags = ["-O3", *build.flags, "-fopenmp", "-shared", "-fPIC", "-fno-semantic-interposition"]
-    return [os.environ.get("CXX", "g++"), *flags, "-std=c++17", "-o", output, str(build.source)]
-
-
-def _build(build: Build, target: Path) -> None:
-    """Compile to a temporary file, then rename: concurrent processes never see a torn .so."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = _compile_command(build, tmp)
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, target)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{e.stderr[-2000:]}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _library_path(build: Build) -> Path:
-    key = hashlib.sha256()
-    for source in sorted(CSRC.iterdir()):  # the source and the headers it includes
-        key.update(source.name.encode() + source.read_bytes())
-    key.update(" ".join(_compile_command(build, "")).encode())
-    key.update(" ".join(sorted(cpu_isa.cpu_flags())).encode())
-    return envs.cache_dir() / "kernels" / f"cpu_kernels-{build.name}-{key.hexdigest()[:16]}.so"
-
-
 def load(dtype: torch.dtype = torch.bfloat16, isa: CpuIsa | None = None) -> CpuKernels | None:
     """The kernels for `dtype` at CPU level `isa` (default: this machine's, as capped by
     PDSERVE_CPU_ISA), built if needed; None (reason logged) if none can run."""
@@ -224,11 +150,11 @@ def _load(dtype: torch.dtype, isa: CpuIsa) -> CpuKernels | None:
     reason = unavailable_reason(dtype, isa)
     build = build_for(dtype, isa)
     if reason is None and build is not None:
-        path = _library_path(build)
+        path = library_path(build)
         try:
             if not path.exists():
                 logger.info("building the %s CPU kernels into %s", build.name, path)
-                _build(build, path)
+                build_library(build, path)
             return CpuKernels(ctypes.CDLL(str(path)), build, isa)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             reason = f"build or load failed: {e}"
