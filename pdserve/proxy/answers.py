@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
 from pdserve.openai_api.errors import error_response
 from pdserve.proxy.assembler import StreamAssembler
+from pdserve.proxy.attempts import End, request_outcome
 from pdserve.proxy.client import Client, Stage
 from pdserve.proxy.pool import Backend
 from pdserve.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -57,18 +58,18 @@ def stream_error(error: dict[str, Any]) -> Response:
 async def relay_stream(
     state: ProxyState,
     client: Client,
-    backend: Backend,
     response: UpstreamResponse,
     prefill_usage: dict[str, Any],
     started: float,
     span: Span,
+    settle: Callable[[End], None],
 ) -> AsyncIterator[bytes]:
     """The decode node's SSE lines, usage chunks rewritten. Closing this generator (the
     client left) closes the decode leg's connection, which aborts it on the node. A stream
     the node ended with an error event (aborted mid-stream: drain timeout, operator) is
-    relayed as it came and counted as an upstream error. Ends the leg's `span` and the
-    request's."""
-    outcome = "client_gone"
+    relayed as it came. The stream's end is settled (`settle`: `attempts.CONSEQUENCES`) and
+    counted as the request's outcome; ends the leg's `span` and the request's."""
+    end = End.CLIENT_GONE
     failed = False
     try:
         async for line in response.iter_lines():
@@ -76,26 +77,20 @@ async def relay_stream(
                 line = _with_merged_usage(line, prefill_usage)
             failed = failed or line.startswith(b'data: {"error"')
             yield line + b"\n"
-        outcome = "upstream_error" if failed else "ok"
+        end = End.FAILED if failed else End.OK
     except UpstreamError as e:  # the node died mid-stream: end the stream with an error
-        outcome = "upstream_error"
-        backend.record_leg(False)
-        error = {
-            "error": {
-                "message": f"decode node {backend.url}: {e}",
-                "type": "upstream_error",
-                "param": None,
-                "code": 502,
-            }
-        }
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        end = End.BROKEN
+        error = {"message": f"decode node {response.node_url}: {e}", "type": "upstream_error",
+                 "param": None, "code": 502}  # fmt: skip
+        yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
     finally:
         response.close()
         state.metrics.leg_seconds.labels("decode").observe(time.perf_counter() - started)
-        state.metrics.requests.labels(outcome).inc()
-        if outcome == "client_gone":
+        settle(end)  # no await here: anyio cancels each one once the client has left
+        state.metrics.requests.labels(request_outcome(end)).inc()
+        if end is End.CLIENT_GONE:
             state.record_departure(client.request_id, Stage.STREAMING)
-        span.set("pdserve.outcome", outcome)
+        span.set("pdserve.outcome", request_outcome(end))
         span.end()
         client.span.end()
 

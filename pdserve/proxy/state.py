@@ -46,6 +46,12 @@ class ProxyMetrics:
             registry=r,
         )
         self.releases = Counter("pdserve_proxy_releases", "Handoff releases sent", registry=r)
+        self.attempts = Counter(
+            "pdserve_proxy_attempts",
+            "Leg attempts on one node, by leg and how each ended (proxy/attempts.py)",
+            ["leg", "end"],
+            registry=r,
+        )
         self.retries = Counter(
             "pdserve_proxy_retries", "Legs retried on another node", ["leg"], registry=r
         )
