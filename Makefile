@@ -43,7 +43,9 @@ test-system: setup
 	$(PY) -m pytest tests -m "system and not vllm" -rs --durations=10
 
 # pdserve's connector in real vLLM nodes: installs vLLM's CPU build, NIXL and pdserve into
-# bench/.venv-vllm (~3.5 GB, a few minutes, once), then runs tests/vllm against it.
+# bench/.venv-vllm (~3.5 GB, a few minutes, once), then runs tests/vllm against it; the
+# contract tier there fetches each supported vLLM wheel (~700 MB in all, once) into
+# ~/.cache/pdserve/vllm-wheels and checks it from source (tests/vllm/test_contract.py).
 test-vllm: setup
 	bench/vllm_cpu/setup.sh
 	$(PY) -m pytest tests/vllm --durations=10

@@ -5,9 +5,10 @@ by name, no fork (docs/vllm.md).
         "kv_connector_module_path": "pdserve.vllm", "kv_role": "kv_producer"}'
 
 vLLM's factory imports this package and reads `PdserveConnector` from it: that first read
-checks the installed vLLM against the supported versions (`versions.py`; another is a clear
-error naming them) and imports the connector, which loads only what it needs of pdserve:
-the handoff table, the control messages and their client, never the engine or the server.
+checks, from the installed vLLM's source, that every vLLM name the connector touches is
+still there (`versions.py`; what moved is named in a clear error) and imports the
+connector, which loads only what it needs of pdserve: the handoff table, the control
+messages and their client, never the engine or the server.
 The protocol halves (`producer`, `consumer`, `control_server`, `signals`) import no vLLM.
 """
 
@@ -21,9 +22,9 @@ __all__ = ["PdserveConnector"]
 def __getattr__(name: str) -> Any:
     if name != "PdserveConnector":
         raise AttributeError(f"module 'pdserve.vllm' has no attribute {name!r}")
-    from pdserve.vllm.versions import check_vllm_version
+    from pdserve.vllm.versions import check_vllm
 
-    check_vllm_version()
+    check_vllm()
     from pdserve.vllm.connector import PdserveConnector
 
     return PdserveConnector

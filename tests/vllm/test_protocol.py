@@ -23,7 +23,6 @@ from pdserve.vllm.consumer import ClaimState, Consumer
 from pdserve.vllm.producer import ARM_AHEAD_S, Producer, client_request_id
 from pdserve.vllm.settings import Settings
 from pdserve.vllm.signals import SignalFilter
-from pdserve.vllm.versions import SUPPORTED, UnsupportedVLLMError, check_vllm_version
 
 SECRET = "cluster-secret"
 TOKEN = "T" * 32
@@ -339,7 +338,7 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.005)
 
 
-# -- signals, settings, versions ------------------------------------------------------------
+# -- signals and settings ------------------------------------------------------------------
 
 
 @dataclass
@@ -374,12 +373,6 @@ def test_settings_come_from_the_extra_config_and_bad_ones_fail_at_start(
         Settings.from_extra_config({"pdserve_lease_s": "5"})
     with pytest.raises(ConfigError, match="> 0"):
         Settings.from_extra_config({"pdserve_claim_timeout_s": 0})
-
-
-def test_an_untested_vllm_is_refused_by_name() -> None:
-    assert check_vllm_version("0.32.0+cpu") == "0.32.0"
-    with pytest.raises(UnsupportedVLLMError, match=", ".join(SUPPORTED)):
-        check_vllm_version("0.31.1")
 
 
 @pytest.mark.parametrize(
