@@ -80,6 +80,14 @@ class TLSConfig:
         except (ssl.SSLError, OSError) as e:
             raise ConfigError(f"--ssl-ca-certs cannot be loaded: {e}") from e
 
+    def server_context(self) -> ssl.SSLContext | None:
+        """For a server of our own (the vLLM connector's control endpoint); None: plain."""
+        if not self.serves:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(str(self.certfile), self.keyfile)
+        return context
+
     def uvicorn_options(self) -> dict[str, Any]:
         if not self.serves:
             return {}

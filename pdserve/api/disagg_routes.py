@@ -16,49 +16,30 @@ error event, then `[DONE]`, if its stream had started), never as a completion.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.disagg.handoff import HandoffTable
+from pdserve.disagg import control_plane
 from pdserve.disagg.handoff_service import HandoffService
-from pdserve.disagg.messages import (
-    AbortOutcome,
-    AbortRequest,
-    ClaimBody,
-    ClaimReply,
-    Outcome,
-    OutcomeReply,
-    RefBody,
-    ReleaseBody,
-    RenewBody,
-    RenewReply,
-)
+from pdserve.disagg.messages import AbortOutcome, AbortRequest
 from pdserve.errors import PdserveError, RequestAbortedError, StatusError
 from pdserve.openai_api.auth import bearer_matches
-from pdserve.openai_api.errors import error_response, from_exception, read_json, validate_body
+from pdserve.openai_api.errors import from_exception, read_json
 
 if TYPE_CHECKING:
     from pdserve.api.state import ServerState
-
-MAX_CONTROL_BODY_BYTES = 1 << 20
-
-Body = TypeVar("Body", bound=BaseModel)
 
 
 def disagg_routes(state: ServerState) -> list[Route]:
     routes = [Route("/v1/abort_requests", _endpoint(state, abort_requests), methods=["POST"])]
     if state.legs.handoffs is not None:
+        routes.append(Route("/kv/handshake", _endpoint(state, handshake), methods=["GET"]))
         routes += [
-            Route("/kv/handshake", _endpoint(state, handshake), methods=["GET"]),
-            Route("/kv/renew", _endpoint(state, renew), methods=["POST"]),
-            Route("/kv/claim", _endpoint(state, claim), methods=["POST"]),
-            Route("/kv/done", _endpoint(state, done), methods=["POST"]),
-            Route("/kv/failed", _endpoint(state, failed), methods=["POST"]),
-            Route("/kv/release", _endpoint(state, release), methods=["POST"]),
+            Route(path, _endpoint(state, control), methods=["POST"])
+            for path in control_plane.ROUTES
         ]
     return routes
 
@@ -81,69 +62,25 @@ def is_admin(state: ServerState, request: Request) -> bool:
     return bearer_matches(given, state.api_key, state.cluster_secret)
 
 
-async def _body(request: Request, model: type[Body]) -> Body:
-    return validate_body(await read_json(request, MAX_CONTROL_BODY_BYTES), model)
-
-
 def _service(state: ServerState) -> HandoffService:
     if state.legs.handoffs is None:  # unreachable: the routes exist only on prefill nodes
         raise StatusError("not a prefill node", status=404, error_type="not_found_error")
     return state.legs.handoffs
 
 
-def _reply(reply: BaseModel) -> Response:
-    return JSONResponse(reply.model_dump(mode="json"))
-
-
-# -- control channel (prefill nodes) ---------------------------------------------------
+# -- control channel (prefill nodes; the rules: disagg/control_plane.py) ---------------
 
 
 async def handshake(state: ServerState, request: Request) -> Response:
     return JSONResponse(_service(state).handshake().to_json())
 
 
-async def renew(state: ServerState, request: Request) -> Response:
-    body = await _body(request, RenewBody)
-    table = _service(state).table
-    outcomes = [table.renew(r.handoff_id, r.release_token, r.epoch) for r in body.handoffs]
-    return _reply(RenewReply(outcomes=outcomes))
-
-
-async def claim(state: ServerState, request: Request) -> Response:
-    body = await _body(request, ClaimBody)
-    service = _service(state)
-    outcome = await service.apply(
-        lambda t: t.claim(body.handoff_id, body.release_token, body.epoch, body.block_ids)
-    )
-    return _reply(ClaimReply(outcome=outcome, claim_timeout_s=service.table.claim_timeout_s))
-
-
-async def done(state: ServerState, request: Request) -> Response:
-    return await _finish_read(state, request, ok=True)
-
-
-async def failed(state: ServerState, request: Request) -> Response:
-    return await _finish_read(state, request, ok=False)
-
-
-async def _finish_read(state: ServerState, request: Request, ok: bool) -> Response:
-    body = await _body(request, RefBody)
-    outcome = await _service(state).apply(
-        lambda t: t.finish_read(body.handoff_id, body.release_token, body.epoch, ok=ok)
-    )
-    return _reply(OutcomeReply(outcome=outcome))
-
-
-async def release(state: ServerState, request: Request) -> Response:
-    body = await _body(request, ReleaseBody)
-
-    def act(table: HandoffTable) -> Outcome:
-        return table.release(
-            body.handoff_id, body.release_token, body.epoch, reason=body.reason.as_recorded
-        )
-
-    outcome = await _service(state).apply(act)
-    return _reply(OutcomeReply(outcome=outcome))
+async def control(state: ServerState, request: Request) -> Response:
+    """The node's control credential is checked by its auth middleware (server.py)."""
+    data = await read_json(request, control_plane.MAX_BODY_BYTES)
+    operation = control_plane.operation(request.url.path, data)
+    result = await _service(state).apply(operation.act)
+    return JSONResponse(operation.answer(result).model_dump(mode="json"))
 
 
 # -- the abort API (every node) -----------------------------------------------------------
@@ -151,23 +88,18 @@ async def release(state: ServerState, request: Request) -> Response:
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
     admin = is_admin(state, request)
-    body = AbortRequest.from_json(await read_json(request, MAX_CONTROL_BODY_BYTES))
+    body = AbortRequest.from_json(await read_json(request, control_plane.MAX_BODY_BYTES))
     ids, token = list(body.ids), body.release_token
-    if not admin and not token:
-        return error_response(
-            401, "the admin API key or a release token is required", "authentication_error"
-        )
-    if not admin and not _token_covers(state, ids, str(token)):
-        return error_response(403, "the release token does not cover every id", "permission_error")
-    results = {i: AbortOutcome.NOT_FOUND for i in ids}
+    control_plane.authorize_abort(admin, token, lambda: _token_covers(state, ids, str(token)))
     running = {i: state.live.resolve(i) for i in ids} if admin else {}
     running_ids = sorted(set().union(*running.values()))
     if running_ids:  # before the handoffs' aborts, which abort prefill legs with no error
         await state.client.abort(running_ids, _aborted_by_operator())
+    results: dict[str, AbortOutcome] = {}
     if state.legs.handoffs is not None:
         results.update(await state.legs.handoffs.abort(ids, token if not admin else None, admin))
     results.update({i: AbortOutcome.ABORTED for i, request_ids in running.items() if request_ids})
-    return JSONResponse({"results": [{"id": i, "outcome": results[i].value} for i in ids]})
+    return JSONResponse(control_plane.abort_answer(ids, results))
 
 
 def _aborted_by_operator() -> RequestAbortedError:

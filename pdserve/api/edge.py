@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.disagg import control_plane
 from pdserve.openai_api.auth import bearer_matches
 from pdserve.openai_api.caller import client_request_id
-from pdserve.openai_api.errors import error_response
+from pdserve.openai_api.errors import error_response, from_exception
 
 if TYPE_CHECKING:
     from pdserve.api.state import ServerState
@@ -37,9 +38,13 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        key = self._required_key(scope["path"])
+        path = scope["path"]
+        key = self._required_key(path)
         if key and not bearer_matches(headers.get("authorization", b""), key):
-            response = error_response(401, "invalid or missing API key", "authentication_error")
+            if path.startswith("/kv/"):  # node-to-node: the control plane's own words
+                response = from_exception(control_plane.credential_required())
+            else:
+                response = error_response(401, "invalid or missing API key", "authentication_error")
             await response(scope, receive, send)
             return
         echo = client_request_id(Headers(scope=scope)).encode()

@@ -73,7 +73,7 @@ def remote_handoff(params: dict[str, Any] | None) -> _Load | None:
 
 class Consumer:
     def __init__(self, settings: Settings) -> None:
-        self.control = ControlClient(settings.cluster_secret)
+        self.control = ControlClient(settings.cluster_secret, settings.tls)
         self.renewer = LeaseRenewer(self.control, name="pdserve-renew")
         self._workers = ThreadPoolExecutor(NUM_CLAIM_WORKERS, thread_name_prefix="pdserve-claim")
         self._loads: dict[str, _Load] = {}

@@ -71,8 +71,9 @@ class Producer:
             settings.control_port,
             settings.cluster_secret,
             self._report,
+            settings.tls.server_context(),
         )
-        self.control_url = f"http://{host}:{self.server.port}"
+        self.control_url = f"{settings.tls.scheme}://{host}:{self.server.port}"
         self._handoff_of: dict[str, str] = {}
         """vLLM request id → its handoff, until vLLM has freed the request's blocks."""
         self._holding: dict[str, float] = {}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.errors import ConfigError
+from pdserve.tls import TLSConfig
 
 PREFIX = "pdserve_"
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
@@ -28,6 +29,11 @@ class Settings:
     cluster_secret: str | None = None
     """The node credential for `/kv/*` and admin aborts: `pdserve_cluster_secret`, else the
     environment's PDSERVE_CLUSTER_SECRET. Unset: `/kv/*` needs only the release tokens."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """The same PEM files as pdserve's nodes' `--ssl-certfile/--ssl-keyfile/--ssl-ca-certs`
+    (`pdserve_ssl_certfile`, `pdserve_ssl_keyfile`, `pdserve_ssl_ca_certs`): a prefill node
+    with a certificate serves its control endpoint over HTTPS (its `control_url` says so); a
+    decode node verifies prefill nodes' certificates against the CA bundle."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> Settings:
@@ -47,6 +53,7 @@ class Settings:
             cluster_secret=extra.get(PREFIX + "cluster_secret")
             or os.environ.get(SECRET_ENV)
             or None,
+            tls=TLSConfig(*(_path(extra, f"ssl_{f}") for f in ("certfile", "keyfile", "ca_certs"))),
         )
         if settings.lease_s <= 0 or settings.claim_timeout_s <= 0:
             raise ConfigError("pdserve_lease_s and pdserve_claim_timeout_s must be > 0")
@@ -55,7 +62,17 @@ class Settings:
         return settings
 
 
-_FIELDS = ("lease_s", "claim_timeout_s", "control_port", "cluster_secret")
+_FIELDS = (
+    "lease_s", "claim_timeout_s", "control_port", "cluster_secret",
+    "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
+)  # fmt: skip
+
+
+def _path(extra: dict[str, Any], name: str) -> str | None:
+    value = extra.get(PREFIX + name)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{PREFIX}{name} must be a file path, got {value!r}")
+    return value
 
 
 def _number(extra: dict[str, Any], name: str, default: float) -> float:
