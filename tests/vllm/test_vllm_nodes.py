@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -30,6 +32,8 @@ import httpx
 import pytest
 
 from pdserve.launch import Node, launch, stop, wait_healthy
+from pdserve.tls import make_cluster_certs
+from pdserve.vllm import control_server
 from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
 from pdserve_bench.vllm_nodes import (
     VllmNode,
@@ -332,6 +336,106 @@ def test_s20_a_forged_release_is_refused_and_frees_nothing(pair: Pair) -> None:
     assert len(handoffs(pair)["freed_after_release_s"]) == num_freed
     assert httpx.post(url, json={**ids, "release_token": kv["release_token"]}).status_code == 200
     assert wait_released(pair, kv["handoff_id"], num_freed) < FREED_BOUND_S
+
+
+# -- the control endpoint inside EngineCore: hostile peers, TLS -------------------------------
+
+
+def process_tree_threads(pid: int) -> int:
+    """Threads of `pid` and every process below it (API server, EngineCore, workers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, total = [pid], 0
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += len(list(Path(f"/proc/{current}/task").iterdir()))
+        todo += children.get(current, [])
+    return total
+
+
+def test_the_control_endpoint_answers_hostile_peers_and_bounds_its_threads(pair: Pair) -> None:
+    """The 2026-12-05 findings: 100,000 nested `[` killed the handler thread with no answer,
+    and 300 half-sent requests took EngineCore from 20 to 320 threads."""
+    kv = prefill_leg(pair)
+    for body in (b"[" * 100_000, b"\x00garbage{", b'{"a":' * 5000 + b"1" + b"}" * 5000):
+        for path in ("/kv/renew", "/kv/release", "/v1/abort_requests"):
+            answer = httpx.post(f"{pair.control_url}{path}", content=body, headers=ADMIN)
+            assert answer.status_code == 400, (path, answer.text[:200])
+            assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert live_handoff(pair, kv["handoff_id"])
+    host, port = pair.control_url.removeprefix("http://").split(":")
+    before = process_tree_threads(pair.prefill.process.pid)
+    idle = [socket.create_connection((host, int(port))) for _ in range(300)]
+    try:
+        for connection in idle:
+            connection.sendall(b"POST /kv/renew HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.5)
+        grown = process_tree_threads(pair.prefill.process.pid) - before
+        assert grown <= control_server.MAX_CONNECTIONS + 8, f"{grown} threads more"
+        ids = {"request_ids": [kv["handoff_id"]], "release_token": kv["release_token"]}
+        deadline = time.monotonic() + control_server.IDLE_TIMEOUT_S + 5
+        while (answer := _try_post(f"{pair.control_url}/v1/abort_requests", ids)) is None:
+            assert time.monotonic() < deadline, "the endpoint never served again"
+            time.sleep(0.1)  # until the idle ones are cut
+        assert answer.json()["results"][0]["outcome"] == "released"
+    finally:
+        for connection in idle:
+            connection.close()
+    wait_freed(pair.prefill, LEASE_S + OBSERVE_SLACK_S)
+
+
+def _try_post(url: str, body: dict[str, Any]) -> httpx.Response | None:
+    try:
+        return httpx.post(url, json=body, timeout=2)
+    except httpx.TransportError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def tls_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmNode, Path]]:
+    """A prefill node whose control endpoint serves HTTPS (the files a pdserve node takes)."""
+    certs = make_cluster_certs(tmp_path_factory.mktemp("tls"))
+    logs = tmp_path_factory.mktemp("vllm-tls-logs")
+    files = {"certfile": certs.certfile, "keyfile": certs.keyfile, "ca_certs": certs.ca_certs}
+    extra = {**EXTRA, **{f"pdserve_ssl_{k}": str(v) for k, v in files.items()}}
+    with (logs / "prefill.log").open("wb") as output:
+        node = launch_vllm_node("kv_producer", extra_config=extra, output=output)
+    try:
+        yield wait_healthy(node, 600), Path(str(certs.ca_certs))  # type: ignore[misc]
+    finally:
+        stop_vllm_node(node)
+
+
+def test_over_tls_forged_releases_are_refused_and_the_token_releases(
+    tls_prefill: tuple[VllmNode, Path],
+) -> None:
+    node, ca = tls_prefill
+    leg = {**completion(), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    kv = httpx.post(f"{node.url}/v1/completions", json=leg, timeout=120).json()[
+        "kv_transfer_params"
+    ]
+    control = kv["control_url"]
+    assert control.startswith("https://"), control
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=10) as http:
+        url = f"{control}/v1/abort_requests"
+        ids = {"request_ids": [kv["handoff_id"]]}
+        assert http.post(url, json=ids).status_code == 401
+        assert http.post(url, json={**ids, "release_token": "F" * 32}).status_code == 403
+        forged = {"handoff_id": kv["handoff_id"], "release_token": "F" * 32, "reason": "released"}
+        assert http.post(f"{control}/kv/release", json=forged, headers=ADMIN).json() == {
+            "outcome": "bad_token"
+        }
+        live = http.get(f"{control}/kv/handoffs", headers=ADMIN).json()["handoffs"]
+        assert kv["handoff_id"] in {h["handoff_id"] for h in live}
+        with pytest.raises(httpx.TransportError):  # plain HTTP to the TLS port
+            httpx.post(control.replace("https://", "http://") + "/kv/renew", json={}, timeout=5)
+        answer = http.post(url, json={**ids, "release_token": kv["release_token"]})
+        assert answer.json()["results"] == [{"id": kv["handoff_id"], "outcome": "released"}]
+    wait_freed(node, OBSERVE_SLACK_S + 1)
 
 
 def test_s8_repeated_and_unknown_signals_keep_both_engines_up(pair: Pair) -> None:
