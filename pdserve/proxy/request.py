@@ -29,6 +29,9 @@ class HandoffParams(KVTransferParams):
 
     model_config = ConfigDict(extra="allow")
 
+    remote_block_ids: Any = None
+    """Not read here, so not checked here: vLLM sends one list per KV cache group, a pdserve
+    node one list; the decode node checks them for its own kind."""
     handoff_id: str | None = None
     control_url: str | None = None
 
