@@ -26,7 +26,7 @@ import logging
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from pdserve.disagg.handoff import Handoff, HandoffState, HandoffTable
@@ -79,6 +79,9 @@ class Producer:
         self._holding: dict[str, float] = {}
         """vLLM request id → its worker deadline (perf_counter), while vLLM holds its blocks."""
         self._free_next: set[str] = set()
+        self.freed_total: Counter[str] = Counter()
+        """Every handoff vLLM freed, by why (release, abort, lease expiry, ...): vLLM counts
+        them all in its expired-request metric, this tells them apart."""
         self.freed: deque[tuple[float, float, str]] = deque(maxlen=10_000)
         """For each handoff the table released (a release, an abort, a lease or claim
         deadline): when (time.monotonic, the same clock in every process of the host), the
@@ -165,6 +168,7 @@ class Producer:
                     after_s = time.monotonic() - handoff.released_at_s
                     reason = str(handoff.release_reason)
                     self.freed.append((handoff.released_at_s, after_s, reason))
+                    self.freed_total[reason] += 1
                 elif handoff is not None:
                     claimed = handoff.state is HandoffState.CLAIMED
                     # Without a claim, only vLLM's own lease frees a held request.
@@ -177,6 +181,7 @@ class Producer:
     def _report(self) -> dict[str, Any]:
         freed = list(self.freed)
         return {
+            "freed_total": dict(self.freed_total),
             "freed_after_release_s": [after for _, after, _ in freed],
             "releases": [
                 {"at_s": at, "freed_after_s": after, "reason": why} for at, after, why in freed

@@ -117,6 +117,10 @@ def test_s3_a_release_by_token_frees_the_blocks_at_the_next_step(
     assert response.json()["results"] == [{"id": params["handoff_id"], "outcome": "released"}]
     assert freed(step(producer)) == {"cmpl-abc-0-0123abcd"}
     assert freed(step(producer)) == set()  # once
+    producer.sent({"cmpl-abc-0-0123abcd"})  # vLLM reports it freed (as an expiry, its way)
+    admin = {"Authorization": f"Bearer {SECRET}"}
+    report = httpx.get(f"{producer.control_url}/kv/handoffs", headers=admin).json()
+    assert report["freed_total"] == {"aborted": 1}  # pdserve's record tells the two apart
 
 
 def test_a_release_names_the_leg_by_its_x_request_id_too(
