@@ -1,5 +1,5 @@
 """What `PdserveConnector` needs of vLLM, checked from vLLM's source: every name it touches
-(`versions.CONTRACT`) and the two behaviours it relies on (`BEHAVIOURS`).
+(`versions.CONTRACT`) and the behaviours it relies on (`BEHAVIOURS`).
 
 The check reads source text and parses it (`ast`); it never imports vLLM. So one checker
 serves the installed vLLM at load (`versions.check_vllm`: the files beside the installed
@@ -223,9 +223,36 @@ def _connector_output_before_asserts(reader: Reader) -> str | None:
     return None
 
 
+def _hybrid_read_failures_by_request(reader: Reader) -> str | None:
+    """A failed read of a model with several KV cache groups (sliding-window layers beside
+    global ones: Gemma 3, gpt-oss) reaches the scheduler through `failed_recving` alone:
+    the scheduler raises on `invalid_block_ids` for such models (block ids are unique only
+    within a group), so the worker must queue them only where the hybrid KV cache manager
+    is off (`if not self._is_hma_required`). pdserve's connector reports none itself."""
+    module = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    cls = reader.find_class(module, "NixlBaseConnectorWorker")
+    if cls is None:
+        return "NixlBaseConnectorWorker is gone"
+    queued = guarded = 0
+    for guard in ast.walk(cls.node):
+        for node in ast.iter_child_nodes(guard):
+            if not (isinstance(node, ast.Expr) and "_invalid_block_ids.put" in ast.unparse(node)):
+                continue
+            queued += 1
+            test = ast.unparse(guard.test) if isinstance(guard, ast.If) else ""
+            guarded += test == "not self._is_hma_required"
+    if queued == 0 or guarded < queued:
+        return (
+            "the NIXL worker may report invalid_block_ids for a model with several KV cache "
+            "groups (a failed read would raise in the scheduler instead of recomputing)"
+        )
+    return None
+
+
 BEHAVIOURS: tuple[Callable[[Reader], str | None], ...] = (
     _reaps_expired_sends,
     _connector_output_before_asserts,
+    _hybrid_read_failures_by_request,
 )
 
 

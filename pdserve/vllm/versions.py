@@ -3,7 +3,7 @@
 `PdserveConnector` subclasses vLLM's NIXL connector (`NixlPullConnector` and its scheduler
 and worker halves). Those are vLLM's own classes, not a stable API, so the connector checks
 at load, from the installed vLLM's source, that every name in `CONTRACT` is still there with
-the parameters it calls it with, and that the two behaviours it relies on still hold
+the parameters it calls it with, and that the behaviours it relies on still hold
 (`contract.py`). What moved is named in the error; nothing half works.
 
 Support policy: the two newest vLLM releases (`SUPPORTED`) and the newest CPU build

@@ -1,7 +1,8 @@
 """The contract tier: every vLLM release `PdserveConnector` supports is checked from its own
 wheel (`pip download --no-deps`, cached), with no GPU and no import of vLLM: every name in
 `versions.CONTRACT` with its parameters, and the behaviours in `contract.BEHAVIOURS`. A copy
-of a wheel's source with one touched name renamed must fail, naming it.
+of a wheel's source with one touched name renamed, or a behaviour changed, must fail,
+naming it.
 
 The wheels are large (vllm 0.34: 240 MB), so this tier runs with `make test-vllm`, which CI
 runs; the cache (`~/.cache/pdserve/vllm-wheels`) makes later runs read them in place.
@@ -71,6 +72,9 @@ def renamed(source: Source, module: str, old: str, new: str) -> Source:
         ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler",
          "class NixlPullConnectorScheduler(", "class NixlPullScheduler(",
          "NixlPullConnectorScheduler is gone"),
+        ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",
+         "if not self._is_hma_required:\n", "if True:\n",
+         "invalid_block_ids for a model with several KV cache groups"),
     ],
 )  # fmt: skip
 def test_a_renamed_name_in_a_copy_of_the_newest_wheel_is_refused_by_name(

@@ -1,5 +1,5 @@
 """`pdserve.vllm.contract`'s checker on small hand-written sources (no vLLM): names found
-through re-exports and bases, parameters compared in order, the two behaviours told apart.
+through re-exports and bases, parameters compared in order, each behaviour told apart.
 The same checker runs on real wheels in `test_contract.py` (`make test-vllm`)."""
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def test_what_moved_is_named() -> None:
 
 WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
+BASE_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 HOLDS = {
     WORKER: """
         class NixlPullConnectorWorker:
@@ -82,6 +83,15 @@ HOLDS = {
                 for rid in output.finished_sending:
                     assert rid in self.requests
     """,
+    BASE_WORKER: """
+        class NixlBaseConnectorWorker:
+            def get_transfer_results(self):
+                for rid in done:
+                    if rid in failed:
+                        if not self._is_hma_required:
+                            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+                        continue
+    """,
 }
 
 
@@ -99,10 +109,16 @@ def test_each_behaviour_that_changed_is_named() -> None:
                         assert rid in self.requests
                     self.connector.update_connector_output(output)
         """,
+        BASE_WORKER: HOLDS[BASE_WORKER].replace("if not self._is_hma_required:", "if True:"),
     }
     problems = check((), source(broken))
-    assert len(problems) == len(BEHAVIOURS) == 2
+    assert len(problems) == len(BEHAVIOURS) == 3
     assert "no longer expires" in problems[0] and "before the connector sees it" in problems[1]
+    assert "several KV cache groups" in problems[2]
+    unguarded = HOLDS[BASE_WORKER].replace(
+        "if not self._is_hma_required:\n                            ", ""
+    ).replace("\n                            self._invalid", "\n                        self._invalid")
+    assert "several KV cache groups" in check((), source({**HOLDS, BASE_WORKER: unguarded}))[0]
 
 
 def test_the_contract_touches_no_private_vllm_name() -> None:
@@ -112,7 +128,7 @@ def test_the_contract_touches_no_private_vllm_name() -> None:
 
 def everything() -> dict[str, str]:
     """A vLLM whose source has every contracted name, in the form the contract uses, and
-    keeps both behaviours (`HOLDS`)."""
+    keeps every behaviour (`HOLDS`)."""
     modules = {m: textwrap.dedent(text).strip().splitlines() for m, text in HOLDS.items()}
     for name in CONTRACT:
         cls, _, member = name.qualname.partition(".")
