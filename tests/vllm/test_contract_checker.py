@@ -115,9 +115,11 @@ def test_each_behaviour_that_changed_is_named() -> None:
     assert len(problems) == len(BEHAVIOURS) == 3
     assert "no longer expires" in problems[0] and "before the connector sees it" in problems[1]
     assert "several KV cache groups" in problems[2]
-    unguarded = HOLDS[BASE_WORKER].replace(
-        "if not self._is_hma_required:\n                            ", ""
-    ).replace("\n                            self._invalid", "\n                        self._invalid")
+    unguarded = """
+        class NixlBaseConnectorWorker:
+            def get_transfer_results(self):
+                self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+    """
     assert "several KV cache groups" in check((), source({**HOLDS, BASE_WORKER: unguarded}))[0]
 
 
