@@ -52,10 +52,18 @@ def client_request_id(vllm_request_id: str) -> str:
     return match.group("client") if match else ""
 
 
+NULL_BLOCK_ID = 0
+"""vLLM's null block (its block pool's first): where a sliding-window layer's group names a
+block that fell out of its window. It holds nothing and is never freed."""
+
+
 def flat_block_ids(remote_block_ids: Any) -> tuple[int, ...]:
-    """vLLM's `remote_block_ids` (one list per KV cache group) as one tuple: what a claim
-    names."""
-    return tuple(int(b) for group in remote_block_ids or () for b in group)
+    """vLLM's `remote_block_ids` (one list per KV cache group: several for a hybrid model)
+    as one tuple of the blocks held, without the null block: what a claim names and what
+    `num_held_blocks` counts."""
+    return tuple(
+        int(b) for group in remote_block_ids or () for b in group if int(b) != NULL_BLOCK_ID
+    )
 
 
 class Producer:
@@ -174,6 +182,7 @@ class Producer:
                     # Without a claim, only vLLM's own lease frees a held request.
                     reason = ReleaseReason.TRANSFERRED if claimed else ReleaseReason.EXPIRED
                     self.table.ended(handoff_id, reason)
+                    self.freed_total[reason.value] += 1
 
     def close(self) -> None:
         self.server.close()

@@ -20,7 +20,7 @@ import pytest
 from pdserve.disagg.handoff import HandoffState
 from pdserve.errors import ConfigError
 from pdserve.vllm.consumer import ClaimState, Consumer
-from pdserve.vllm.producer import ARM_AHEAD_S, Producer, client_request_id
+from pdserve.vllm.producer import ARM_AHEAD_S, Producer, client_request_id, flat_block_ids
 from pdserve.vllm.settings import Settings
 from pdserve.vllm.signals import SignalFilter
 
@@ -105,6 +105,14 @@ def test_a_held_prefill_answers_with_its_handoff_and_where_to_release_it(
     assert handoff is not None and handoff.state is HandoffState.HELD
     assert handoff.block_ids == (3, 7) and handoff.client_request_id == "abc"
     assert freed(step(producer)) == set()
+
+
+def test_a_hybrid_model_s_groups_hold_their_blocks_and_never_the_null_block() -> None:
+    # Gemma 3's layout in vLLM: one group per kind of layer; a sliding group names the null
+    # block (0) for each block that fell out of its window.
+    groups = [[0, 0, 13], [0, 0, 14], [11, 12, 18]]
+    assert flat_block_ids(groups) == (13, 14, 11, 12, 18)
+    assert flat_block_ids(None) == ()
 
 
 def test_s3_a_release_by_token_frees_the_blocks_at_the_next_step(

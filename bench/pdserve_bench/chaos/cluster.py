@@ -135,7 +135,7 @@ class Cluster:
             if admin.status_code == 404:
                 cluster.vllm_urls.add(slot.url)
                 if slot.role == "prefill":
-                    cluster.control_urls[slot.url] = _control_url(slot.url, cluster.node_headers)
+                    cluster.control_urls[slot.url] = control_url_of(slot.url, cluster.node_headers)
         cluster.start_sampling()
         return cluster
 
@@ -196,7 +196,7 @@ def vllm_kv_pool(metrics: str) -> tuple[int, float]:
     return num_blocks, usage
 
 
-def _control_url(url: str, headers: dict[str, str]) -> str:
+def control_url_of(url: str, headers: dict[str, str]) -> str:
     """A vLLM prefill node's control endpoint, as the proxy learns it: from a prefill
     answer's `kv_transfer_params` (a one-token leg, released at once)."""
     body = {"prompt": [5, 6, 7], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
