@@ -55,3 +55,23 @@ def test_every_top_level_module_is_named() -> None:
         if p.stem != "__init__" and f"`{p.stem}`" not in text and p.name not in _named_files(text)
     ]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_every_kernel_source_is_named_in_the_model_row() -> None:
+    row = _rows()["pdserve/model/"]
+    sources = sorted(p.name for p in (REPO / "pdserve" / "model" / "csrc").iterdir())
+    assert [s for s in sources if f"`{s}`" not in row] == []
+
+
+MAX_LINES = 500
+"""A product file a reader can hold (issue 56): past it, split by what the parts do."""
+
+
+def test_no_product_file_is_over_500_lines() -> None:
+    files = [p for p in (REPO / "pdserve").rglob("*") if p.suffix in (".py", ".cpp", ".h")]
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in files
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert files and long == {}
