@@ -51,13 +51,15 @@ def launch_vllm_node(
     max_num_seqs: int = 32,
     model: str = "default",
     output: IO[bytes] | None = None,
+    port: int | None = None,
 ) -> VllmNode:
     """A vLLM node with `connector` in `role` (kv_producer, kv_consumer), or a single node
-    (no connector: `role` is ignored); returns at once (`pdserve.launch.wait_healthy`
-    waits: vLLM starts in about a minute here)."""
+    (no connector: `role` is ignored), on `port` (a restarted node keeps its URL) or a free
+    one; returns at once (`pdserve.launch.wait_healthy` waits: vLLM starts in about a
+    minute here)."""
     if connector is not None and connector not in CONNECTORS:
         raise ValueError(f"connector must be one of {CONNECTORS} or None")
-    port, side_channel = free_port(), free_port()
+    port, side_channel = port or free_port(), free_port()
     kv_config: dict[str, Any] = {
         "kv_connector": connector,
         "kv_role": role,
@@ -87,13 +89,16 @@ def launch_vllm_node(
     return VllmNode(f"http://127.0.0.1:{port}", process, role=role, connector=connector or "")
 
 
-def stop_vllm_node(node: Node, timeout_s: float = 60.0) -> None:
-    """SIGTERM (vLLM shuts its engine down), then SIGKILL of the whole group."""
+def stop_vllm_node(node: Node, timeout_s: float = 60.0) -> int | None:
+    """SIGTERM (vLLM shuts its engine down), then SIGKILL of the whole group; the API
+    server's exit status if it exited on the SIGTERM, else None."""
+    status = None
     if node.process.poll() is None:
         node.process.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            node.process.wait(timeout_s)
+            status = node.process.wait(timeout_s)
     kill_node(node)
+    return status
 
 
 def kill_node(node: Node) -> None:

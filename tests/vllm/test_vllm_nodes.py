@@ -338,6 +338,38 @@ def test_s20_a_forged_release_is_refused_and_frees_nothing(pair: Pair) -> None:
     assert wait_released(pair, kv["handoff_id"], num_freed) < FREED_BOUND_S
 
 
+def vllm_counter(node: VllmNode, name: str) -> float:
+    """The sum of a counter over its label sets in vLLM's Prometheus text (0 before any)."""
+    text = httpx.get(f"{node.url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{name}{{", f"{name} "))
+    )
+
+
+def test_a_release_is_one_of_vllm_s_expiries_and_pdserve_tells_which(pair: Pair) -> None:
+    """docs/vllm.md, Limits: vLLM counts the release in `vllm:nixl_num_kv_expired_reqs`
+    (the only public way to free a held request is a past deadline, which its worker reaps
+    as an expiry); pdserve's `freed_total` counts it as released, so vLLM's count less
+    pdserve's other reasons stays the real expiries."""
+    metric = "vllm:nixl_num_kv_expired_reqs"
+    kv = prefill_leg(pair)
+    vllm_before, ours_before = vllm_counter(pair.prefill, metric), handoffs(pair)["freed_total"]
+    num_freed = len(handoffs(pair)["freed_after_release_s"])
+    release = {"request_ids": [kv["handoff_id"]], "release_token": kv["release_token"]}
+    assert httpx.post(f"{pair.control_url}/v1/abort_requests", json=release).status_code == 200
+    wait_released(pair, kv["handoff_id"], num_freed)
+    deadline = time.monotonic() + 5
+    while vllm_counter(pair.prefill, metric) == vllm_before:  # shipped with a step's stats
+        assert time.monotonic() < deadline, f"{metric} never counted the release"
+        time.sleep(0.05)
+    ours = handoffs(pair)["freed_total"]
+    assert vllm_counter(pair.prefill, metric) == vllm_before + 1
+    assert sum(ours.values()) == sum(ours_before.values()) + 1  # recorded by why:
+    assert ours.get("expired", 0) == ours_before.get("expired", 0)  # not an expiry
+
+
 # -- the control endpoint inside EngineCore: hostile peers, TLS -------------------------------
 
 

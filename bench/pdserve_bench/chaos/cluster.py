@@ -62,6 +62,11 @@ class Sample:
 class Cluster:
     """Nodes the harness observes: their URLs, the keys, a clock, KV samples."""
 
+    mode = "cluster targeted by URL"
+    """What the report calls it."""
+    launched_here = False
+    """Started by `bench chaos` from its own flags (`--num-prefill`, `--model`, ...)."""
+
     def __init__(self, api_key: str, node_api_key: str) -> None:
         self.api_key = api_key
         """What clients send to the proxy."""
@@ -220,6 +225,9 @@ def control_url_of(url: str, headers: dict[str, str]) -> str:
 class LocalCluster(Cluster):
     """P prefill and D decode nodes, a reference node and a proxy, launched here (in
     `bed`'s namespaces when given; the proxy and the reference node stay in this one)."""
+
+    mode = "local cluster"
+    launched_here = True
 
     def __init__(
         self, node_args: list[str], num_prefill: int, num_decode: int, api_key: str,

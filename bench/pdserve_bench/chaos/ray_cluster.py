@@ -52,6 +52,9 @@ class RayCluster(Cluster):
     """P prefill and D decode node actors on the Ray cluster at `address` (None: a local
     one started here), a proxy actor, and a reference node launched here."""
 
+    mode = "local cluster"  # its flags; the report adds where it ran
+    launched_here = True
+
     def __init__(
         self,
         node_args: list[str],

@@ -80,11 +80,11 @@ def summary(chaos: ChaosRun, records: list[RequestRecord], workload: Workload,
         plan = outcomes.setdefault(r.plan, {})
         plan[outcome] = plan.get(outcome, 0) + 1
     greedy_checked = sum(map(is_greedy_checked, records)) if chaos.cluster.reference_url else 0
-    unused = TARGET_ONLY if not chaos.args.proxy else LOCAL_ONLY
+    unused = TARGET_ONLY if chaos.cluster.launched_here else LOCAL_ONLY
     config = {k: v for k, v in vars(chaos.args).items()
               if k not in ("func", "api_key", "node_api_key", *unused)}  # fmt: skip
     config["lease_s"] = chaos.lease_s
-    mode = "cluster targeted by URL" if chaos.args.proxy else "local cluster"
+    mode = chaos.cluster.mode
     if chaos.args.netns:
         mode += " in network namespaces"
     if chaos.args.ray:

@@ -165,16 +165,37 @@ def _run(args: argparse.Namespace) -> int:
             print(f"bench chaos: cannot use the cluster: {e}")  # or not one it can judge
             return 2
         logger.info("cluster ready after %.1f s", time.monotonic() - started_s)
-        try:
-            records, workload = asyncio.run(_load_and_faults(chaos, bed))
-            logger.info("load and faults done after %.1f s", time.monotonic() - started_s)
-            violations = _check(chaos, records, workload)
-            logger.info("checks done after %.1f s", time.monotonic() - started_s)
-        finally:
-            chaos.cluster.stop()
+        return _load_check_report(chaos, bed)
     finally:
         if bed is not None:
             bed.remove()
+
+
+def run_on(args: argparse.Namespace, cluster: Cluster) -> int:
+    """The chaos run against a cluster started by someone else and handed over running
+    (`bench/vllm_cpu/chaos_pair.py`'s vLLM nodes): process faults apply where it owns its
+    processes. `args` is `bench chaos`'s (its defaults for what the caller leaves out);
+    the cluster is stopped at the end."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        chaos = _decide(ChaosRun(args, cluster, lease_s=args.lease_s or 5.0), None)
+    except BaseException:
+        cluster.stop()
+        raise
+    return _load_check_report(chaos, None)
+
+
+def _load_check_report(chaos: ChaosRun, bed: NamespaceBed | None) -> int:
+    """Load and faults, then the checks (the cluster stopped after them), then the report;
+    the exit status: 1 on any violation."""
+    args, started_s = chaos.args, time.monotonic()
+    try:
+        records, workload = asyncio.run(_load_and_faults(chaos, bed))
+        logger.info("load and faults done after %.1f s", time.monotonic() - started_s)
+        violations = _check(chaos, records, workload)
+        logger.info("checks done after %.1f s", time.monotonic() - started_s)
+    finally:
+        chaos.cluster.stop()
     report = summary(chaos, records, workload, violations)
     print(headline(report))
     if args.report:
@@ -221,14 +242,11 @@ def _own_cluster(
 
 def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
     """Start or reach the cluster; decide which faults and checks apply."""
-    wanted = {k for k in args.faults.split(",") if k}
     if args.proxy:
         api_key = args.api_key or ""
         cluster = Cluster.targeted(args.proxy, args.prefill, args.decode, args.reference,
                                    api_key, args.node_api_key or api_key)  # fmt: skip
         chaos = ChaosRun(args, cluster, lease_s=args.lease_s or 5.0)
-        reason = "the cluster was targeted by URL: the harness cannot kill or restart its nodes"
-        chaos.skipped.update({k: reason for k in ("kill", "sigterm") if k in wanted})
     else:
         from pdserve_bench.cli import resolve_dtype_name
 
@@ -248,6 +266,17 @@ def _prepare(args: argparse.Namespace, bed: NamespaceBed | None) -> ChaosRun:
         except BaseException:
             local.stop()
             raise
+    return _decide(chaos, bed)
+
+
+def _decide(chaos: ChaosRun, bed: NamespaceBed | None) -> ChaosRun:
+    """Which of the faults asked for apply to the cluster, and which checks; the others
+    are skipped with the reason."""
+    args = chaos.args
+    wanted = {k for k in args.faults.split(",") if k}
+    if not chaos.cluster.owns_processes:
+        reason = "the cluster was targeted by URL: the harness cannot kill or restart its nodes"
+        chaos.skipped.update({k: reason for k in ("kill", "sigterm") if k in wanted})
     if bed is None:
         reason = "a network fault needs --netns (prefill and decode nodes in two namespaces)"
         chaos.skipped.update({k: reason for k in ("partition", "netem") if k in wanted})
