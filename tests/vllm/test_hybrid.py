@@ -15,7 +15,6 @@ could not tell an exact handoff from a near one.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +27,13 @@ from pdserve.vllm.producer import NULL_BLOCK_ID, flat_block_ids
 from pdserve_bench.chaos.cluster import control_url_of
 from pdserve_bench.vllm_nodes import (
     VllmNode,
-    kv_cache_usage,
     launch_vllm_node,
     stop_vllm_node,
     vllm_unavailable,
 )
 from tests.conftest import save_tiny_hf_model
 from tests.model.test_families import save_sentencepiece_tokenizer
+from tests.vllm.test_vllm_nodes import wait_freed
 
 pytestmark = [
     pytest.mark.vllm,
@@ -118,15 +117,6 @@ def handoffs(hybrid: Hybrid) -> dict[str, Any]:
         f"{hybrid.control_url}/kv/handoffs", headers=ADMIN, timeout=5
     ).json()
     return data
-
-
-def wait_freed(node: VllmNode, within_s: float) -> None:
-    """vLLM holds no KV block on `node` within `within_s` (its own metric)."""
-    deadline = time.monotonic() + within_s
-    with httpx.Client(timeout=5) as http:
-        while kv_cache_usage(node.url, http) > 0:
-            assert time.monotonic() < deadline, f"{node.role} holds KV blocks after {within_s} s"
-            time.sleep(0.01)
 
 
 def test_a_handoff_names_a_block_list_per_kv_cache_group_and_the_window_holds_fewer(

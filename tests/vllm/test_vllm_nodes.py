@@ -35,6 +35,7 @@ from pdserve.launch import Node, launch, stop, wait_healthy
 from pdserve.tls import make_cluster_certs
 from pdserve.vllm import control_server
 from pdserve.vllm.signals import DUPLICATE_SIGNALS_SEAM
+from pdserve_bench.chaos.cluster import control_url_of
 from pdserve_bench.vllm_nodes import (
     VllmNode,
     kill_node,
@@ -103,7 +104,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         prefill, decode, _ = (wait_healthy(n, 600) for n in nodes)
         proxy = start_proxy(prefill.url, decode.url)
         pair = Pair(*nodes, proxy, logs, storm)
-        pair.control_url = prefill_leg(pair)["control_url"]
+        pair.control_url = control_url_of(prefill.url, ADMIN)  # its leg released at once
         yield pair
         stop(proxy)
     finally:
@@ -339,13 +340,12 @@ def test_s20_a_forged_release_is_refused_and_frees_nothing(pair: Pair) -> None:
 
 
 def vllm_counter(node: VllmNode, name: str) -> float:
-    """The sum of a counter over its label sets in vLLM's Prometheus text (0 before any)."""
+    """Counter `name` summed over its label sets in vLLM's Prometheus text (its samples are
+    `name_total`, beside `name_created`)."""
     text = httpx.get(f"{node.url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((f"{name}{{", f"{name} "))
-    )
+    samples = [line for line in text.splitlines() if line.startswith(f"{name}_total{{")]
+    assert samples, f"vLLM exports no {name}"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
 
 def test_a_release_is_one_of_vllm_s_expiries_and_pdserve_tells_which(pair: Pair) -> None:
