@@ -16,7 +16,12 @@ from pdserve import envs, logs, tracing
 from pdserve.config import ProxyConfig, ServerConfig
 from pdserve.disagg.config import KVLoadFailurePolicy, KVTransferConfig, KVTransportKind, Role
 from pdserve.errors import ConfigError, PdserveError
-from pdserve.node_flags import add_engine_args, add_node_args, engine_options
+from pdserve.node_flags import (
+    add_engine_args,
+    add_node_args,
+    add_response_store_arg,
+    engine_options,
+)
 from pdserve.seams import Seams
 from pdserve.tls import add_tls_args, tls_options
 
@@ -62,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
         parent_pid=args.parent_pid,
         tls=tls,
+        response_store=args.response_store,
     )
     kv_transfer = KVTransferConfig(
         role=Role(args.role),
@@ -111,6 +117,7 @@ def _proxy(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s,
         parent_pid=args.parent_pid,
         model=None if args.model == "none" else args.model,
+        response_store=args.response_store,
         tls=tls_options(args),
         **routing_options(args),
     )
@@ -216,6 +223,7 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     )
     prx.add_argument("--api-key", default=None, help="required from clients (or PDSERVE_API_KEY)")
     prx.add_argument("--node-api-key", default=None, help="sent to the nodes; default: --api-key")
+    add_response_store_arg(prx)
     prx.add_argument("--prefill-timeout-s", type=float, default=ProxyConfig.prefill_timeout_s)
     prx.add_argument(
         "--decode-timeout-s",

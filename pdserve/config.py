@@ -175,6 +175,9 @@ class ServerConfig:
     """Drain and exit once this process is gone (launchers such as `pdserve up` set it)."""
     tls: TLSConfig = field(default_factory=TLSConfig)
     """Serve HTTPS (`pdserve/tls.py`); default: plain HTTP."""
+    response_store: str | None = None
+    """Stored `/v1/responses`: a SQLite file, a `postgresql://` URL, or None (the default
+    file under the user's data directory, `agent_api/store.py`)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -212,6 +215,8 @@ class ProxyConfig:
     """Between two health checks of every node (and polls of their prefix summaries)."""
     parent_pid: int | None = None
     """Stop once this process is gone."""
+    response_store: str | None = None
+    """Stored `/v1/responses`, as `ServerConfig.response_store`."""
     model: str | None = "default"
     """The nodes' model, for its tokenizer: the proxy hashes prompts as the nodes do. None:
     no tokenizer, so no cache-aware choice and no selective P/D (load alone)."""

@@ -40,12 +40,24 @@ def add_node_args(parser: argparse.ArgumentParser, launched: bool = False) -> No
         default=ServerConfig.drain_timeout_s,
         help="SIGTERM grace period",
     )
+    add_response_store_arg(node)
     if not launched:
         node.add_argument(
             "--config", default=None, help="YAML file of flag values; flags override it"
         )
     add_disagg_args(parser.add_argument_group("prefill/decode disaggregation"), launched)
     add_engine_args(parser)
+
+
+def add_response_store_arg(group: argparse._ActionsContainer) -> None:
+    """`--response-store`, for every server of `/v1/responses` (nodes and the proxy)."""
+    group.add_argument(
+        "--response-store",
+        default=None,
+        metavar="PATH|URL",
+        help="where /v1/responses are stored: a SQLite file, or postgresql://... for several "
+        "proxies (default: $XDG_DATA_HOME/pdserve/responses.sqlite3)",
+    )
 
 
 def node_argv(args: argparse.Namespace) -> list[str]:

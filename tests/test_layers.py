@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"errors", "envs", "logs", "tls", "seams", "heap", "parent_watch", "launch",
      "sampling_params", "outputs", "batch", "tracing", "structured", "tools", "reasoning"},
     {"config", "openai_api"},  # configs; the OpenAI request/response layer (node and proxy)
+    {"agent_api"},  # the Responses and Messages APIs, as chat completions (node and proxy)
     {"kv_cache"},  # the paged KV pool and prefix cache
     {"model"},  # weights, kernels, the runner (takes `batch` contracts)
     {"engine"},  # scheduler, step loop, engine process

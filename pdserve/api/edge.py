@@ -1,5 +1,6 @@
-"""A node's ASGI edge, around every route: the bearer-key check (constant time), the
-X-Request-Id echo, and the count of requests in flight that a drain waits on.
+"""A node's ASGI edge, around every route: the key check (constant time; a bearer key, or
+Anthropic's x-api-key header), the X-Request-Id echo, and the count of requests in flight
+that a drain waits on.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware, so that request bodies, streaming
 responses and disconnect messages pass through untouched.
@@ -13,7 +14,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.disagg import control_plane
-from pdserve.openai_api.auth import bearer_matches
+from pdserve.openai_api.auth import key_matches
 from pdserve.openai_api.caller import client_request_id
 from pdserve.openai_api.errors import error_response, from_exception
 
@@ -40,7 +41,8 @@ class EdgeMiddleware:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         path = scope["path"]
         key = self._required_key(path)
-        if key and not bearer_matches(headers.get("authorization", b""), key):
+        presented = headers.get("authorization", b""), headers.get("x-api-key", b"")
+        if key and not key_matches(*presented, key):
             if path.startswith("/kv/"):  # node-to-node: the control plane's own words
                 response = from_exception(control_plane.credential_required())
             else:

@@ -110,7 +110,9 @@ async def run_server(
     metrics = MetricsRecorder(model_name)
     cluster_secret = kv_transfer.cluster_secret or config.api_key
     legs = node_legs(kv_transfer, client, metrics, config.host, config.port, cluster_secret)
-    state = ServerState(client, legs, metrics, model_name, config.api_key, seams)
+    state = ServerState(
+        client, legs, metrics, model_name, config.api_key, seams, config.response_store
+    )
     warn_if_exposed(config.host, config.tls, "the node")
     server = _DrainingServer(_uvicorn_config(state, config), state, config.drain_timeout_s)
     serving = asyncio.create_task(server.serve())

@@ -33,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.agent_api.messages import MessagesAPI
+from pdserve.agent_api.responses import ResponsesAPI
 from pdserve.api.batched import generate_many
 from pdserve.api.disagg_routes import disagg_routes
 from pdserve.api.edge import OPEN_PATHS, EdgeMiddleware
@@ -101,6 +103,9 @@ def create_app(state: ServerState) -> Starlette:
         title = f"pdserve node ({state.legs.role})"
         return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS))
 
+    # The agent APIs run each request as a chat completion of this node (`agent_api/`).
+    responses = ResponsesAPI(chat_completions, state.response_store)
+
     return Starlette(
         middleware=[Middleware(EdgeMiddleware, state=state)],
         routes=[
@@ -114,6 +119,8 @@ def create_app(state: ServerState) -> Starlette:
             Route("/admin/prefix_cache", admin_prefix_cache, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            *responses.routes(),
+            *MessagesAPI(chat_completions).routes(),
             *disagg_routes(state),
         ],
         exception_handlers=ERROR_HANDLERS,

@@ -24,6 +24,7 @@ class ServerState:
         model_name: str,
         api_key: str | None = None,
         seams: Seams = NO_SEAMS,
+        response_store: str | None = None,
     ) -> None:
         self.client = client
         self.legs = legs
@@ -34,6 +35,7 @@ class ServerState:
         self.cluster_secret = legs.cluster_secret or api_key
         """Credential for node-to-node calls, both ways (`/kv/*`, releases)."""
         self.seams = seams
+        self.response_store = response_store
         self.live = LiveRequests()
         self.ready = False
         self.draining = False

@@ -69,22 +69,28 @@ NO_EFFECT: dict[str, str] = {
 _logged: set[str] = set()
 
 
-def screen(data: dict[str, Any], served: set[str]) -> dict[str, Any]:
+def screen(
+    data: dict[str, Any],
+    served: set[str],
+    not_served: dict[str, tuple[str, tuple[Any, ...]]] = NOT_SERVED,
+    no_effect: dict[str, str] = NO_EFFECT,
+) -> dict[str, Any]:
     """`data` without the fields that ask for nothing (or only label the request); a 400
     naming the first field that asks for what is not served. `served`: the fields the
-    request model honours, passed as they are."""
+    request model honours, passed as they are; the tables: the API's (chat and
+    completions by default)."""
     kept = {}
     for name, value in data.items():
         if name in served:
             kept[name] = value
-        elif name in NOT_SERVED:
-            why, accepted = NOT_SERVED[name]
+        elif name in not_served:
+            why, accepted = not_served[name]
             if not any(value == ok and type(value) is type(ok) for ok in accepted):
                 raise InvalidRequestError(f"parameter {name} is not supported: {why}", param=name)
-        elif name in NO_EFFECT:
+        elif name in no_effect:
             if name not in _logged:
                 _logged.add(name)
-                logger.info("accepted %s, which changes no output: %s", name, NO_EFFECT[name])
+                logger.info("accepted %s, which changes no output: %s", name, no_effect[name])
         else:
             kept[name] = value  # the model refuses it: unrecognized
     return kept

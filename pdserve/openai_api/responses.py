@@ -143,7 +143,7 @@ class ChoiceBuilder:
         else:
             choice["text"], choice["logprobs"] = self._text_and_logprobs(c.text, c.logprobs,
                                                                          output, 0)  # fmt: skip
-            choice["stop_reason"] = c.stop_reason
+        choice["stop_reason"] = c.stop_reason  # the stop string or token id that ended it (vLLM's)
         if self.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice
@@ -235,7 +235,7 @@ class ChoiceBuilder:
                 )
                 choice["logprobs"] = logprobs
                 self._offsets[c.index] = at + sum(map(len, logprobs["tokens"] if logprobs else ()))
-                choice["stop_reason"] = c.stop_reason
+            choice["stop_reason"] = c.stop_reason
             if self.return_token_ids:
                 choice["token_ids"] = list(new_ids)
             chunk = self._envelope([choice], chunk=True)

@@ -33,7 +33,7 @@ from pdserve.openai_api.errors import error_response
 
 logger = logging.getLogger(__name__)
 
-GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
+GATED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 class Overloaded(Exception):

@@ -26,9 +26,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import logs
+from pdserve.agent_api.messages import MessagesAPI
+from pdserve.agent_api.responses import ResponsesAPI
 from pdserve.errors import PdserveError
 from pdserve.heap import freeze_startup_objects
-from pdserve.openai_api.auth import bearer_matches
+from pdserve.openai_api.auth import key_matches
 from pdserve.openai_api.errors import (
     ERROR_HANDLERS,
     MAX_BODY_BYTES,
@@ -56,6 +58,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
 
     async def chat_completions(request: Request) -> Response:
         return await serve_request(state, request, "/v1/chat/completions")
+
+    # The agent APIs run each request as a chat completion through the legs (`agent_api/`).
+    responses = ResponsesAPI(chat_completions, state.config.response_store)
 
     async def pass_through(request: Request) -> Response:
         return await _pass_through(state, request)
@@ -94,6 +99,8 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            *responses.routes(),
+            *MessagesAPI(chat_completions).routes(),
             Route("/v1/models", pass_through, methods=["GET"]),
             Route("/tokenize", pass_through, methods=["POST"]),
             Route("/detokenize", pass_through, methods=["POST"]),
@@ -191,8 +198,9 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not bearer_matches(given, self.api_key):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            if not key_matches(*given, self.api_key):
                 response = error_response(401, "invalid or missing API key", "authentication_error")
                 await response(scope, receive, send)
                 return

@@ -193,6 +193,7 @@ def proxy_config(
         api_key=args.api_key,
         node_api_key=args.api_key,
         model=args.model,
+        response_store=args.response_store,
         tls=tls,
         **routing_options(args),
     )
