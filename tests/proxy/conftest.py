@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
 from pdserve.launch import NodeError, launch, stop_all, wait_healthy
-from tests.api.conftest import API_KEY, Server, free_port, stop_server
+from tests.api.conftest import API_KEY, Server, free_port, start_servers, stop_server
 from tests.disagg.conftest import cluster  # noqa: F401  (the shared session fixture)
 
 CHATML = (
@@ -74,6 +74,27 @@ def start_proxy(prefill: list[str], decode: list[str], *extra: str) -> Server:
     except NodeError:
         stop_server(proxy)
         raise
+
+
+@pytest.fixture(scope="package")
+def agent_nodes(chat_model_dir: Path) -> Iterator[tuple[Server, Server]]:
+    """(prefill, decode) on the tiny chat model, served as `default`, for the agent APIs'
+    tests (`test_responses_api.py`, `test_messages_api.py`)."""
+    args = ["--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
+            "--num-kv-blocks", "256", "--max-model-len", "2048", "--block-size", "16",
+            "--served-model-name", "default"]  # fmt: skip
+    prefill, decode = start_servers([*args, "--role", "prefill"], [*args, "--role", "decode"])
+    yield prefill, decode
+    stop_all([prefill, decode])
+
+
+def start_agent_proxy(nodes: tuple[Server, Server], store: Path | str, *extra: str) -> Server:
+    """A proxy in front of `agent_nodes` that asks clients for no key (each client's key
+    names its stored responses), storing responses in `store`."""
+    prefill, decode = nodes
+    args = ["--node-api-key", API_KEY, "--health-interval-s", "0.2", "--prefill", prefill.url,
+            "--decode", decode.url, "--response-store", str(store), *extra]  # fmt: skip
+    return wait_healthy(launch(args, env={"PDSERVE_LOG_LEVEL": "WARNING"}, command="proxy"), 60)
 
 
 @pytest.fixture

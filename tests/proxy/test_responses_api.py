@@ -22,8 +22,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pdserve.agent_api import responses_input
-from pdserve.launch import Node, launch, stop_all, wait_healthy
-from tests.api.conftest import API_KEY, Server, start_servers
+from pdserve.launch import Node, stop_all
+from tests.api.conftest import API_KEY, Server
+from tests.proxy.conftest import start_agent_proxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,29 +46,11 @@ TOOLS: list[Any] = [
 
 
 @pytest.fixture(scope="module")
-def nodes(chat_model_dir: Path) -> Iterator[tuple[Server, Server]]:
-    args = ["--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
-            "--num-kv-blocks", "256", "--max-model-len", "2048", "--block-size", "16",
-            "--served-model-name", "default"]  # fmt: skip
-    prefill, decode = start_servers([*args, "--role", "prefill"], [*args, "--role", "decode"])
-    yield prefill, decode
-    stop_all([prefill, decode])
-
-
-def start_proxy(nodes: tuple[Server, Server], store: Path | str, *extra: str) -> Node:
-    prefill, decode = nodes
-    args = ["--node-api-key", API_KEY, "--health-interval-s", "0.2", "--prefill", prefill.url,
-            "--decode", decode.url, "--response-store", str(store), *extra]  # fmt: skip
-    return wait_healthy(launch(args, env={"PDSERVE_LOG_LEVEL": "WARNING"}, command="proxy"), 60)
-
-
-@pytest.fixture(scope="module")
 def proxy(
-    nodes: tuple[Server, Server], tmp_path_factory: pytest.TempPathFactory
+    agent_nodes: tuple[Server, Server], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Node]:
     """A proxy that asks clients for no key: each client's key names its stored responses."""
-    store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
-    front = start_proxy(nodes, store)
+    front = start_agent_proxy(agent_nodes, tmp_path_factory.mktemp("store") / "r.sqlite3")
     yield front
     stop_all([front])
 
@@ -161,28 +144,28 @@ def _turn(client: openai.OpenAI, previous: str | None, text: str) -> Any:
 
 
 def test_a_chain_of_five_turns_survives_a_proxy_restart(
-    nodes: tuple[Server, Server], tmp_path: Path
+    agent_nodes: tuple[Server, Server], tmp_path: Path
 ) -> None:
     """Turns 1-2 on one proxy, 3-5 on a new one reading the same SQLite file; turn 5 is
     the chat answer to the whole conversation, and its prefill computed only the tokens
     the earlier turns had not (the prefill node's counter)."""
     store = tmp_path / "responses.sqlite3"
     questions = ["one", "two", "three", "four", "five"]
-    front = start_proxy(nodes, store)
+    front = start_agent_proxy(agent_nodes, store)
     try:
         client = sdk(front)
         turns = [_turn(client, None, questions[0])]
         turns.append(_turn(client, turns[0].id, questions[1]))
     finally:
         stop_all([front])
-    front = start_proxy(nodes, store)
+    front = start_agent_proxy(agent_nodes, store)
     try:
         client = sdk(front)
         for question in questions[2:4]:
             turns.append(_turn(client, turns[-1].id, question))
-        computed = _prompt_tokens_computed(nodes[0])
+        computed = _prompt_tokens_computed(agent_nodes[0])
         turns.append(_turn(client, turns[-1].id, questions[4]))
-        computed = _prompt_tokens_computed(nodes[0]) - computed
+        computed = _prompt_tokens_computed(agent_nodes[0]) - computed
         messages: list[dict[str, Any]] = []
         for question, turn in zip(questions, turns, strict=True):
             messages += [{"role": "user", "content": question},
@@ -220,11 +203,11 @@ def test_stored_responses_belong_to_the_key_that_made_them(proxy: Node) -> None:
 
 
 def test_a_store_that_cannot_be_written_is_a_503_and_nothing_is_reported_stored(
-    nodes: tuple[Server, Server], tmp_path: Path
+    agent_nodes: tuple[Server, Server], tmp_path: Path
 ) -> None:
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    front = start_proxy(nodes, blocked / "responses.sqlite3")  # its directory is a file
+    front = start_agent_proxy(agent_nodes, blocked / "responses.sqlite3")  # its directory is a file
     try:
         client = sdk(front)
         for stream in (False, True):
