@@ -78,17 +78,23 @@ class ResponseStore:
         raise NotImplementedError
 
     def _run(self, sql: str, params: tuple[Any, ...], fetch: bool) -> Any:
+        """One statement. A connection that fails is dropped; a kept one that fails (the
+        server restarted since) is tried once more on a new one. Every statement here can
+        run twice to the same end (an upsert, a delete, a read)."""
         sql = sql.replace("%s", self.placeholder)
         with self._lock:
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                    self._conn.execute(SCHEMA)
-                cursor = self._conn.execute(sql, params)
-                return cursor.fetchone() if fetch else cursor.rowcount
-            except self._errors() as e:
-                self._drop()
-                raise StoreUnavailable(f"{type(e).__name__}: {e}".strip()) from e
+            while True:
+                fresh = self._conn is None
+                try:
+                    if self._conn is None:
+                        self._conn = self._connect()
+                        self._conn.execute(SCHEMA)
+                    cursor = self._conn.execute(sql, params)
+                    return cursor.fetchone() if fetch else cursor.rowcount
+                except self._errors() as e:
+                    self._drop()
+                    if fresh:
+                        raise StoreUnavailable(f"{type(e).__name__}: {e}".strip()) from e
 
     def _drop(self) -> None:
         """Forget a connection that failed (the next call opens a new one)."""
