@@ -64,6 +64,7 @@ def add_parsers(bench_sub: Any) -> None:
     off.set_defaults(func=_offline)
 
     from pdserve_bench.accuracy import add_parser as add_accuracy_parser
+    from pdserve_bench.agent_apis import add_parser as add_agent_apis_parser
     from pdserve_bench.chaos.run import add_parser as add_chaos_parser
     from pdserve_bench.kernels import add_parser as add_kernels_parser
     from pdserve_bench.pd import add_parser as add_pd_parser
@@ -76,6 +77,7 @@ def add_parsers(bench_sub: Any) -> None:
     add_kernels_parser(bench_sub)
     add_accuracy_parser(bench_sub)
     add_routing_parser(bench_sub)
+    add_agent_apis_parser(bench_sub)
 
 
 def resolve_dtype_name(name: str) -> str:

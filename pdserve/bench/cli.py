@@ -37,7 +37,16 @@ def add_bench_parser(sub: Any) -> None:
     srv.add_argument("--url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     srv.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     srv.add_argument("--model", default=None, help="default: first id of GET /v1/models")
-    srv.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    srv.add_argument(
+        "--endpoint", default="completions", choices=["completions", "chat", "responses"]
+    )
+    srv.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests end at EOS (needed for --endpoint responses, which has no "
+        "ignore_eos; pass it to the chat run compared with it too)",
+    )
     srv.add_argument("--concurrency", type=int, required=True, help="requests in flight")
     srv.add_argument("--num-prompts", type=int, required=True)
     srv.add_argument("--input-len", type=int, required=True, help="prompt tokens")

@@ -47,7 +47,13 @@ logger = logging.getLogger(__name__)
 
 TOKEN_ID_LOW = 100  # skip special and control tokens at the start of most vocabularies
 TOKEN_ID_HIGH = 10_000  # exclusive; below the vocabulary size of any real model
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+}
+RESPONSES_END = ("response.completed", "response.incomplete")
+"""A Responses stream's last event (it sends no `data: [DONE]`)."""
 # Common English words that most BPE vocabularies encode as one token each (with the space).
 _CHAT_TEXT = (
     "the of and to in is was for on that with as by at from his an were are which this be "
@@ -73,7 +79,7 @@ class ServeBenchConfig:
     base_url: str  # server root, without a trailing `/v1`; "" until --compare starts one
     api_key: str | None  # sent as `Authorization: Bearer ...` when given
     model: str | None  # None: the first id of GET /v1/models
-    endpoint: str  # "completions" or "chat"
+    endpoint: str  # "completions", "chat" or "responses" (chat's words, as `input`)
     concurrency: int  # requests in flight at most
     num_prompts: int
     input_len: int  # prompt tokens per request (words for chat)
@@ -81,6 +87,7 @@ class ServeBenchConfig:
     request_rate: float  # Poisson arrivals per second; inf sends all at once
     seed: int
     timeout_s: float  # httpx connect/read/write timeout, per operation
+    ignore_eos: bool = True  # vLLM's extension; the Responses API has none: run to EOS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeBenchConfig:
@@ -91,6 +98,12 @@ class ServeBenchConfig:
             raise ConfigError("--request-rate must be positive (inf: send all at once)")
         if not args.timeout_s > 0:
             raise ConfigError("--timeout-s must be positive")
+        ignore_eos = getattr(args, "ignore_eos", True)
+        if args.endpoint == "responses" and ignore_eos:
+            raise ConfigError(
+                "--endpoint responses runs each request to its end of sequence (the API has no "
+                "ignore_eos): pass --no-ignore-eos, to the chat run it is compared with too"
+            )
         base_url = "" if args.url is None else _server_root(args.url)
         return cls(
             base_url=base_url,
@@ -104,6 +117,7 @@ class ServeBenchConfig:
             request_rate=args.request_rate,
             seed=args.seed,
             timeout_s=args.timeout_s,
+            ignore_eos=ignore_eos,
         )
 
 
@@ -264,11 +278,16 @@ def make_payloads(config: ServeBenchConfig, model: str) -> list[dict[str, Any]]:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,  # vLLM extension: run every request to max_tokens
     }
+    if config.ignore_eos:
+        common["ignore_eos"] = True  # vLLM extension: run every request to max_tokens
     payloads = []
     for _ in range(config.num_prompts):
-        if config.endpoint == "completions":
+        if config.endpoint == "responses":
+            text = " ".join(rng.choice(CHAT_WORDS) for _ in range(config.input_len))
+            payloads.append({"model": model, "input": text, "temperature": 0, "stream": True,
+                             "max_output_tokens": config.output_len})  # fmt: skip
+        elif config.endpoint == "completions":
             ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(config.input_len)]
             payloads.append({**common, "prompt": ids})
         else:
@@ -304,6 +323,9 @@ def _error_message(body: bytes) -> str:
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
+    if chunk.get("type") == "response.output_text.delta":  # the Responses API's
+        delta = chunk.get("delta")
+        return delta if isinstance(delta, str) else ""
     choices = chunk.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
         return ""
@@ -332,12 +354,22 @@ async def _read_stream(
         chunk = json.loads(data)
         if not isinstance(chunk, dict):
             return _failed(start_s, response.status_code, f"stream chunk is not an object: {data}")
-        if isinstance(chunk.get("error"), dict):
+        if isinstance(chunk.get("error"), dict) or chunk.get("type") in (
+            "error",
+            "response.failed",
+        ):
             return _failed(start_s, response.status_code, _error_message(data.encode()))
         if _chunk_text(chunk):
             times.append(now)
         if isinstance(chunk.get("usage"), dict):  # vLLM may repeat it on every chunk
             usage = chunk["usage"]
+        if chunk.get("type") in RESPONSES_END:
+            ended = chunk.get("response") or {}
+            counts = ended.get("usage") or {}
+            usage = {"prompt_tokens": counts.get("input_tokens"),
+                     "completion_tokens": counts.get("output_tokens")}  # fmt: skip
+            done = True
+            break
     end_s = time.perf_counter()
     problem = "" if done else "stream ended before `data: [DONE]`"
     if not problem and not times:
