@@ -28,8 +28,8 @@ LAYERS: list[set[str]] = [
     # foundations: errors, settings of the process, and the contract types between layers
     {"errors", "envs", "logs", "tls", "seams", "heap", "parent_watch", "launch",
      "sampling_params", "outputs", "batch", "tracing", "structured", "tools", "reasoning"},
-    {"config", "openai_api"},  # configs; the OpenAI request/response layer (node and proxy)
-    {"agent_api"},  # the Responses and Messages APIs, as chat completions (node and proxy)
+    # configs; the OpenAI request/response layer and the agent APIs over it (node and proxy)
+    {"config", "openai_api", "agent_api"},
     {"kv_cache"},  # the paged KV pool and prefix cache
     {"model"},  # weights, kernels, the runner (takes `batch` contracts)
     {"engine"},  # scheduler, step loop, engine process

@@ -65,6 +65,8 @@ ERROR_TYPES = {
 
 
 class MessagesRequest(BaseModel):
+    """Anthropic's request body (its fields checked here; blocks by `chat_body`)."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -438,3 +440,7 @@ def _error_of(result: ChatResult) -> Response:
 
 def _sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+OPENAPI = {"/v1/messages": (MessagesRequest, "Anthropic's Messages API (SSE events when stream)")}
+"""For /openapi.json (`openapi_document`'s `described`)."""

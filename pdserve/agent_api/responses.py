@@ -37,6 +37,14 @@ from pdserve.openai_api.errors import MAX_BODY_BYTES, from_exception, read_json,
 logger = logging.getLogger(__name__)
 
 
+OPENAPI = {
+    "/v1/responses": (ResponsesRequest, "OpenAI's Responses API (SSE events when stream is true)"),
+    "/v1/responses/{response_id}": (None, "a stored response (GET), or its deletion (DELETE)"),
+    "/v1/responses/{response_id}/cancel": (None, "cancel a background response"),
+}
+"""For /openapi.json (`openapi_document`'s `described`)."""
+
+
 def credential(request: Request) -> str:
     """The key a client presented (Bearer, or Anthropic's x-api-key); "" for none. Stored
     responses belong to it."""

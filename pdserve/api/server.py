@@ -33,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.agent_api import messages as messages_api
+from pdserve.agent_api import responses as responses_api
 from pdserve.agent_api.messages import MessagesAPI
 from pdserve.agent_api.responses import ResponsesAPI
 from pdserve.api.batched import generate_many
@@ -101,7 +103,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def openapi(request: Request) -> Response:
         title = f"pdserve node ({state.legs.role})"
-        return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS))
+        described = {**responses_api.OPENAPI, **messages_api.OPENAPI}
+        return JSONResponse(openapi_document(request.app.routes, title, OPEN_PATHS, described))
 
     # The agent APIs run each request as a chat completion of this node (`agent_api/`).
     responses = ResponsesAPI(chat_completions, state.response_store)

@@ -11,6 +11,7 @@ apart. Answers are described, not modelled: a completion is OpenAI's, every erro
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -79,7 +80,13 @@ SUMMARIES = {
 """Anything else (`/kv/*`) is the node-to-node control channel: docs/disaggregation.md."""
 
 
-def openapi_document(routes: list[Any], title: str, open_paths: tuple[str, ...]) -> dict[str, Any]:
+Described = Mapping[str, tuple[type[BaseModel] | None, str]]
+"""Paths of layers above this one (the agent APIs): path → (its body's model, summary)."""
+
+
+def openapi_document(
+    routes: list[Any], title: str, open_paths: tuple[str, ...], described: Described | None = None
+) -> dict[str, Any]:
     """The document for these routes; `open_paths` need no bearer key."""
     schemas: dict[str, Any] = {"Error": ERROR}
     paths: dict[str, dict[str, Any]] = {}
@@ -87,7 +94,7 @@ def openapi_document(routes: list[Any], title: str, open_paths: tuple[str, ...])
         if not isinstance(route, Route):
             continue
         for method in sorted(set(route.methods or ()) - {"HEAD"}):
-            operation = _operation(route.path, schemas)
+            operation = _operation(route.path, schemas, described or {})
             if route.path in open_paths:
                 operation["security"] = []
             paths.setdefault(route.path, {})[method.lower()] = operation
@@ -103,8 +110,9 @@ def openapi_document(routes: list[Any], title: str, open_paths: tuple[str, ...])
     }
 
 
-def _operation(path: str, schemas: dict[str, Any]) -> dict[str, Any]:
-    summary = SUMMARIES.get(path, "node-to-node control channel (cluster credential)")
+def _operation(path: str, schemas: dict[str, Any], described: Described) -> dict[str, Any]:
+    model, summary = described.get(path, (BODIES.get(path), SUMMARIES.get(path)))
+    summary = summary or "node-to-node control channel (cluster credential)"
     error_schema = {"schema": {"$ref": REF.format(model="Error")}}
     error = {
         "description": "an error in the OpenAI schema",
@@ -114,7 +122,7 @@ def _operation(path: str, schemas: dict[str, Any]) -> dict[str, Any]:
         "summary": summary,
         "responses": {"200": {"description": "OK"}, "4XX": error, "5XX": error},
     }
-    body = _body_schema(path, schemas)
+    body = _body_schema(path, model, schemas)
     if body is not None:
         operation["requestBody"] = {
             "required": True,
@@ -123,8 +131,9 @@ def _operation(path: str, schemas: dict[str, Any]) -> dict[str, Any]:
     return operation
 
 
-def _body_schema(path: str, schemas: dict[str, Any]) -> dict[str, Any] | None:
-    model = BODIES.get(path)
+def _body_schema(
+    path: str, model: type[BaseModel] | None, schemas: dict[str, Any]
+) -> dict[str, Any] | None:
     if model is not None:
         schema = model.model_json_schema(ref_template=REF)
         used = json.dumps(schema)  # ChatMessage, the parsed form, is not what clients send

@@ -26,6 +26,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import logs
+from pdserve.agent_api import messages as messages_api
+from pdserve.agent_api import responses as responses_api
 from pdserve.agent_api.messages import MessagesAPI
 from pdserve.agent_api.responses import ResponsesAPI
 from pdserve.errors import PdserveError
@@ -93,7 +95,9 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         return JSONResponse({"departures": list(state.departures)})
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(request.app.routes, "pdserve proxy", OPEN_PATHS))
+        described = {**responses_api.OPENAPI, **messages_api.OPENAPI}
+        doc = openapi_document(request.app.routes, "pdserve proxy", OPEN_PATHS, described)
+        return JSONResponse(doc)
 
     app = Starlette(
         routes=[
