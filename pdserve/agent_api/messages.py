@@ -52,6 +52,7 @@ NO_EFFECT: dict[str, str] = {
     "user_profile_id": "an end user's id, for the operator's own records",
     "workspace_id": "a label for the operator's own records",
 }
+MESSAGES_PATH = "/v1/messages"
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -351,7 +352,7 @@ class MessagesAPI:
         self.chat = chat
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/messages", self.create, methods=["POST"])]
+        return [Route(MESSAGES_PATH, self.create, methods=["POST"])]
 
     async def create(self, request: Request) -> Response:
         try:
@@ -442,5 +443,5 @@ def _sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
 
-OPENAPI = {"/v1/messages": (MessagesRequest, "Anthropic's Messages API (SSE events when stream)")}
+OPENAPI = {MESSAGES_PATH: (MessagesRequest, "Anthropic's Messages API (SSE events when stream)")}
 """For /openapi.json (`openapi_document`'s `described`)."""

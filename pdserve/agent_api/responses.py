@@ -41,6 +41,7 @@ OPENAPI = {
     "/v1/responses": (ResponsesRequest, "OpenAI's Responses API (SSE events when stream is true)"),
     "/v1/responses/{response_id}": (None, "a stored response (GET), or its deletion (DELETE)"),
     "/v1/responses/{response_id}/cancel": (None, "cancel a background response"),
+    "/v1/responses/{response_id}/input_items": (None, "a stored response's input items"),
 }
 """For /openapi.json (`openapi_document`'s `described`)."""
 
@@ -88,6 +89,7 @@ class ResponsesAPI:
             Route(one, self.retrieve, methods=["GET"]),
             Route(one, self.delete, methods=["DELETE"]),
             Route(f"{one}/cancel", self.cancel, methods=["POST"]),
+            Route(f"{one}/input_items", self.list_input_items, methods=["GET"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -108,6 +110,7 @@ class ResponsesAPI:
         except PdserveError as e:
             return from_exception(e)
         run = ResponseRun(body)
+        run.num_input = len(items)
         conversation = [*context, *items]
         if body.background:
             return await self._start_background(request, run, chat, owner, conversation)
@@ -130,7 +133,8 @@ class ResponsesAPI:
 
     async def _save(self, run: ResponseRun, owner: str, conversation: list[dict[str, Any]]) -> None:
         if run.body.store:
-            stored = Stored(run.response, [*conversation, *run.output])
+            own = conversation[len(conversation) - run.num_input :]
+            stored = Stored(run.response, [*conversation, *run.output], own)
             await self.store.put(run.id, owner, stored)
 
     async def _events(
@@ -220,6 +224,36 @@ class ResponsesAPI:
         if stored is None:
             return from_exception(not_found(response_id))
         return JSONResponse(stored.response)
+
+    async def list_input_items(self, request: Request) -> Response:
+        """A stored response's own input items (`order` desc by default, `after`, `limit`
+        1-100, as OpenAI pages them)."""
+        response_id = request.path_params["response_id"]
+        query = request.query_params
+        order, after, limit = (
+            query.get("order", "desc"),
+            query.get("after"),
+            query.get("limit", "20"),
+        )
+        try:
+            if order not in ("asc", "desc") or not limit.isdigit() or not 1 <= int(limit) <= 100:
+                raise StatusError("order must be asc or desc, limit 1 to 100", status=400,
+                                  error_type="invalid_request_error")  # fmt: skip
+            stored = await self.store.get(response_id, owner_of(credential(request)))
+            if stored is None:
+                raise not_found(response_id)
+        except PdserveError as e:
+            return from_exception(e)
+        items = stored.input if order == "asc" else stored.input[::-1]
+        ids = [i.get("id") for i in items]
+        if after is not None and after in ids:
+            items = items[ids.index(after) + 1 :]
+        page = items[: int(limit)]
+        return JSONResponse({
+            "object": "list", "data": page, "has_more": len(items) > len(page),
+            "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None,
+        })  # fmt: skip
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]

@@ -165,11 +165,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+               "reasoning": "rs"}  # fmt: skip
+
+
 def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input as items of the API's shape (a string is one user message); each item
-    checked, so a conversation only ever stores items a continuation can read."""
+    """The input as items of the API's shape (a string is one user message), each with an
+    id (the client's, or a new one); each item checked, so a conversation only ever stores
+    items a continuation can read."""
+    items = _checked_items(raw)
+    return [{"id": new_id(ID_PREFIXES[item["type"]]), **item} for item in items]
+
+
+def _checked_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(raw, str):
-        return [{"type": "message", "role": "user", "content": raw}]
+        return [{"type": "message", "role": "user", "content": [_part("user", raw)]}]
     items = []
     for i, item in enumerate(raw):
         where = f"input[{i}]"
@@ -181,7 +191,8 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     f"{where}.role must be user, assistant, system or developer; got {role!r}",
                     param=f"{where}.role",
                 )
-            items.append({**item, "type": "message", "content": _text(item.get("content"), where)})
+            text = _text(item.get("content"), where)
+            items.append({**item, "type": "message", "content": [_part(role, text)]})
         elif kind == "function_call":
             _require_strings(item, where, "call_id", "name", "arguments")
             items.append(item)
@@ -197,6 +208,13 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 param=f"{where}.type",
             )
     return items
+
+
+def _part(role: str, text: str) -> dict[str, Any]:
+    """A message's text as one part of the API's shape (as `input_items` lists it)."""
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
 
 
 def _require_strings(item: dict[str, Any], where: str, *keys: str) -> None:

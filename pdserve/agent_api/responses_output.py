@@ -57,6 +57,8 @@ class ResponseRun:
         self._open: dict[str, Any] | None = None
         """The item deltas are being added to (a reasoning or message item)."""
         self.started = False
+        self.num_input = 0
+        """How many items of the conversation are this request's input."""
 
     @property
     def id(self) -> str:

@@ -35,7 +35,8 @@ SCHEMA = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
     owner TEXT NOT NULL,
     created_at BIGINT NOT NULL,
     response TEXT NOT NULL,
-    conversation TEXT NOT NULL
+    conversation TEXT NOT NULL,
+    input TEXT NOT NULL
 )"""
 
 
@@ -58,6 +59,8 @@ class Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     """The items a continuation starts from: its context, its input and its output."""
+    input: list[dict[str, Any]]
+    """Its own input items (`GET /v1/responses/{id}/input_items`)."""
 
 
 class ResponseStore:
@@ -109,8 +112,8 @@ class ResponseStore:
     async def put(self, response_id: str, owner: str, stored: Stored) -> None:
         """Insert or replace (a background response's row is rewritten when it ends)."""
         await self._call(
-            f"INSERT INTO {TABLE} (id, owner, created_at, response, conversation) "
-            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            f"INSERT INTO {TABLE} (id, owner, created_at, response, conversation, input) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
             "response = excluded.response, conversation = excluded.conversation",
             (
                 response_id,
@@ -118,18 +121,19 @@ class ResponseStore:
                 int(stored.response.get("created_at") or 0),
                 json.dumps(stored.response),
                 json.dumps(stored.conversation),
+                json.dumps(stored.input),
             ),
         )
 
     async def get(self, response_id: str, owner: str) -> Stored | None:
         row = await self._call(
-            f"SELECT response, conversation FROM {TABLE} WHERE id = %s AND owner = %s",
+            f"SELECT response, conversation, input FROM {TABLE} WHERE id = %s AND owner = %s",
             (response_id, owner),
             fetch=True,
         )
         if row is None:
             return None
-        return Stored(json.loads(row[0]), json.loads(row[1]))
+        return Stored(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]))
 
     async def delete(self, response_id: str, owner: str) -> bool:
         count = await self._call(

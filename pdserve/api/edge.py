@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.agent_api.messages import MESSAGES_PATH, anthropic_error
 from pdserve.disagg import control_plane
 from pdserve.openai_api.auth import key_matches
 from pdserve.openai_api.caller import client_request_id
@@ -45,6 +46,8 @@ class EdgeMiddleware:
         if key and not key_matches(*presented, key):
             if path.startswith("/kv/"):  # node-to-node: the control plane's own words
                 response = from_exception(control_plane.credential_required())
+            elif path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's schema
+                response = anthropic_error(401, "invalid or missing API key")
             else:
                 response = error_response(401, "invalid or missing API key", "authentication_error")
             await response(scope, receive, send)

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve import logs
 from pdserve.agent_api import messages as messages_api
 from pdserve.agent_api import responses as responses_api
-from pdserve.agent_api.messages import MessagesAPI
+from pdserve.agent_api.messages import MESSAGES_PATH, MessagesAPI, anthropic_error
 from pdserve.agent_api.responses import ResponsesAPI
 from pdserve.errors import PdserveError
 from pdserve.heap import freeze_startup_objects
@@ -205,7 +205,12 @@ class BearerAuth:
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
             if not key_matches(*given, self.api_key):
-                response = error_response(401, "invalid or missing API key", "authentication_error")
+                message = "invalid or missing API key"
+                response = (
+                    anthropic_error(401, message)
+                    if scope["path"] == MESSAGES_PATH
+                    else error_response(401, message, "authentication_error")
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

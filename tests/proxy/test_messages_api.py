@@ -153,10 +153,11 @@ def test_a_tool_round_trip(proxy: Node) -> None:
 
 
 def test_the_key_as_x_api_key_and_errors_in_anthropics_shape(proxy: Node) -> None:
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as unauthorized:
         client(proxy, "wrong").messages.create(
             model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
         )
+    assert unauthorized.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError) as refused:
         client(proxy).messages.create(model="default", max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image", "source": {

@@ -193,7 +193,19 @@ def test_stored_responses_belong_to_the_key_that_made_them(proxy: Node) -> None:
     alice, bob = sdk(proxy, "alice"), sdk(proxy, "bob")
     made = alice.responses.create(model="default", input="hi", max_output_tokens=2)
     assert alice.responses.retrieve(made.id).output_text == made.output_text
-    for call in (bob.responses.retrieve, bob.responses.delete):
+    asked = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "user", "content": "c"}]  # fmt: skip
+    later = alice.responses.create(model="default", input=asked, previous_response_id=made.id,
+                                   max_output_tokens=2)  # fmt: skip
+    listed = alice.responses.input_items.list(later.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in listed.data] == [  # type: ignore[union-attr]
+        ("user", "a"),
+        ("assistant", "b"),
+        ("user", "c"),
+    ]  # its own input, not its context
+    newest = alice.responses.input_items.list(later.id, limit=1)
+    assert newest.data[0].id == listed.data[-1].id and newest.has_more
+    for call in (bob.responses.retrieve, bob.responses.delete, bob.responses.input_items.list):
         with pytest.raises(openai.NotFoundError):
             call(made.id)
     alice.responses.delete(made.id)
