@@ -27,7 +27,7 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -65,10 +65,8 @@ ERROR_TYPES = {
 }
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(fields.ScreenedBody):
     """Anthropic's request body (its fields checked here; blocks by `chat_body`)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int = Field(ge=1)
@@ -85,12 +83,8 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _screen(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return fields.screen(data, set(cls.model_fields), NOT_SERVED, NO_EFFECT)
+    not_served = NOT_SERVED
+    no_effect = NO_EFFECT
 
     def chat_body(self) -> dict[str, Any]:
         messages = []

@@ -25,8 +25,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
 from pdserve.errors import InvalidRequestError
 from pdserve.openai_api import fields
 
@@ -56,9 +54,7 @@ INCLUDABLE = {
 """`include` values pdserve serves (anything else is a 400)."""
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ResponsesRequest(fields.ScreenedBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -79,12 +75,8 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     user: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _screen(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return fields.screen(data, set(cls.model_fields), NOT_SERVED, NO_EFFECT)
+    not_served = NOT_SERVED
+    no_effect = NO_EFFECT
 
     def check(self) -> None:
         """What pydantic's types do not say (400s naming the field)."""

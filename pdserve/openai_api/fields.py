@@ -11,7 +11,9 @@ never becomes a 200 that ignores what was asked. docs/api.md lists the three set
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from pdserve.errors import InvalidRequestError
 
@@ -94,3 +96,19 @@ def screen(
         else:
             kept[name] = value  # the model refuses it: unrecognized
     return kept
+
+
+class ScreenedBody(BaseModel):
+    """A request body whose fields beyond its own are screened (`screen`) against its API's
+    tables, then refused by pydantic if still there (`extra="forbid"`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    not_served: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = NOT_SERVED
+    no_effect: ClassVar[dict[str, str]] = NO_EFFECT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return screen(data, set(cls.model_fields), cls.not_served, cls.no_effect)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import JsonDict
 
 from pdserve import structured
@@ -40,7 +40,7 @@ def _document_screened(schema: JsonDict) -> None:
         properties.setdefault(name, {"description": f"accepted, changes no output: {effect}"})
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(fields.ScreenedBody):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_document_screened)
 
     model: str | None = None
@@ -73,11 +73,6 @@ class _SamplingFields(BaseModel):
     """OpenAI's: `text`, `json_object`, or `json_schema` (structured.py)."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's: one of `json`, `regex`, `choice`, `grammar` (Lark or GBNF), `json_object`."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _screen(cls, data: Any) -> Any:
-        return fields.screen(data, set(cls.model_fields)) if isinstance(data, dict) else data
 
     def output_limits(self) -> tuple[int | None, int | None]:
         """(max output tokens, logprobs per token): each request kind reads its own fields
