@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.errors import StatusError
+from pdserve.errors import ConfigError, StatusError
 
 TABLE = "pdserve_responses"
 SCHEMA = f"""CREATE TABLE IF NOT EXISTS {TABLE} (
@@ -188,5 +188,11 @@ def open_store(target: str | None) -> ResponseStore:
     """`--response-store`: a PostgreSQL URL, a SQLite file's path, or None (the default
     file). Nothing is opened until the first call."""
     if target and target.startswith(("postgresql://", "postgres://")):
+        try:
+            import psycopg  # noqa: F401  (checked at start, not at the first request)
+        except ImportError as e:
+            raise ConfigError(
+                "--response-store postgresql://... needs psycopg: pip install 'pdserve[postgres]'"
+            ) from e
         return PostgresStore(target)
     return SQLiteStore(target or str(default_path()))
