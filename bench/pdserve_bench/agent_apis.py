@@ -8,7 +8,8 @@ Neither can send `ignore_eos` (the Responses API has none), so both run to their
 sequence: greedy, they produce the same tokens, which the table shows. Responses are
 stored (the default; SQLite unless the server was given another store), so the store's
 writes are in the cost. The medians of the rounds are printed side by side, with the
-ratio responses / chat.
+ratio responses / chat, then each round's pair (a round of each, back to back) as a ratio:
+on a shared 2-core machine the rounds drift by more than the difference measured.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
         ratio = resp / chat if chat else float("nan")
         better = "higher is better" if higher_is_better else "lower is better"
         print(f"{label:18} {chat:10.2f} {resp:10.2f} {ratio:7.3f}  ({better})")
+    pairs = [r["request_throughput"] / c["request_throughput"]
+             for c, r in zip(rounds["chat"], rounds["responses"], strict=True)]  # fmt: skip
+    print("requests/s by round (chat, responses): " + ", ".join(
+        f"{c['request_throughput']:.2f} {r['request_throughput']:.2f}"
+        for c, r in zip(rounds["chat"], rounds["responses"], strict=True)))  # fmt: skip
+    print(f"ratio of each round's pair: median {statistics.median(pairs):.3f}, "
+          f"min {min(pairs):.3f}, max {max(pairs):.3f}")  # fmt: skip
     print(f"output tokens per round: chat {tokens['chat']}, responses {tokens['responses']}")
     print(f"failed requests: chat {failed['chat']}, responses {failed['responses']}")
     return 0 if not any(failed.values()) else 1
