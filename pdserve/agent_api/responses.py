@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -76,10 +76,24 @@ class _Background:
         return {"type": "http.disconnect"}
 
 
+Slot = Callable[[list[tuple[bytes, bytes]]], contextlib.AbstractAsyncContextManager[None]]
+"""A server's admission for work answered already (the proxy's line: `Admission.slot`), by
+the request's headers; a node admits in its engine's queue and needs none."""
+
+
+@contextlib.asynccontextmanager
+async def _no_slot(headers: list[tuple[bytes, bytes]]) -> AsyncIterator[None]:
+    yield
+
+
 class ResponsesAPI:
-    def __init__(self, chat: ChatHandler, store: str | ResponseStore | None) -> None:
+    def __init__(
+        self, chat: ChatHandler, store: str | ResponseStore | None, background_slot: Slot = _no_slot
+    ) -> None:
         self.chat = chat
         self.store = store if isinstance(store, ResponseStore) else open_store(store)
+        self.background_slot = background_slot
+        """Held while a background response runs: the gate's slot ended with its answer."""
         self.running: dict[str, _Background] = {}
 
     def routes(self) -> list[Route]:
@@ -199,9 +213,10 @@ class ResponsesAPI:
         conversation: list[dict[str, Any]],
     ) -> None:
         try:
-            run.response["status"] = "in_progress"
-            await self._save(run, owner, conversation)
-            result = await run_chat_on(self.chat, scope, background.receive, chat)
+            async with self.background_slot(scope["headers"]):
+                run.response["status"] = "in_progress"
+                await self._save(run, owner, conversation)
+                result = await run_chat_on(self.chat, scope, background.receive, chat)
             if background.cancelled.is_set():
                 run.response["status"] = "cancelled"
             elif result.status >= 400 or result.body is None:
@@ -212,6 +227,11 @@ class ResponsesAPI:
             await self._save(run, owner, conversation)
         except PdserveError as e:  # the store failed: the response stays as last stored
             logger.warning("background response %s: %s", run.id, e.message)
+        except Exception as e:  # no slot (the proxy is at capacity), or a bug: say so
+            logger.warning("background response %s failed: %s", run.id, e)
+            run.fail({"type": type(e).__name__, "message": str(e)})
+            with contextlib.suppress(PdserveError):
+                await self._save(run, owner, conversation)
         finally:
             self.running.pop(run.id, None)
 

@@ -18,12 +18,13 @@ on, never lost (`_Line.hand_on`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -115,6 +116,18 @@ class Admission:
     def leave(self, key: str) -> None:
         self._key_done(key)
         self.line.leave()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, headers: list[tuple[bytes, bytes]]) -> AsyncIterator[None]:
+        """A slot held for work that runs after its HTTP request was answered (a background
+        response), as the gate holds one for a request: it waits in the same line and
+        raises Overloaded where the gate would answer 429."""
+        key = _key_digest(dict(headers).get(b"authorization", b""))
+        await self.enter(key)
+        try:
+            yield
+        finally:
+            self.leave(key)
 
     def _key_done(self, key: str) -> None:
         n = self.per_key.get(key, 0) - 1

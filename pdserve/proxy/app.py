@@ -62,7 +62,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
         return await serve_request(state, request, "/v1/chat/completions")
 
     # The agent APIs run each request as a chat completion through the legs (`agent_api/`).
-    responses = ResponsesAPI(chat_completions, state.config.response_store)
+    responses = ResponsesAPI(chat_completions, state.config.response_store, state.admission.slot)
 
     async def pass_through(request: Request) -> Response:
         return await _pass_through(state, request)

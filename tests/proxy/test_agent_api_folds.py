@@ -149,3 +149,56 @@ def test_unusable_items_are_400s_naming_them(raw: Any, param: str) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         input_items(raw)
     assert refused.value.param == param
+
+
+def test_a_background_response_holds_its_slot_and_fails_without_one(tmp_path: Any) -> None:
+    """`ResponsesAPI` over a fake chat handler (this layer alone): the slot is held while
+    the chat request runs, and a slot refused (the proxy at capacity) fails the response."""
+    import asyncio
+    import contextlib
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from pdserve.agent_api.responses import ResponsesAPI
+    from pdserve.agent_api.store import SQLiteStore
+
+    held: list[str] = []
+    refuse = False
+
+    @contextlib.asynccontextmanager
+    async def slot(headers: list[tuple[bytes, bytes]]) -> Any:
+        if refuse:
+            raise RuntimeError("the proxy is at capacity")
+        held.append("in")
+        yield
+        held.append("out")
+
+    async def chat(request: Request) -> JSONResponse:
+        assert held[-1] == "in"  # the chat request runs inside the slot
+        message = {"role": "assistant", "content": "done"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        choice = {"index": 0, "finish_reason": "stop", "message": message}
+        answer = {"model": "m", "choices": [choice], "usage": usage}
+        return JSONResponse(answer)
+
+    api = ResponsesAPI(chat, SQLiteStore(str(tmp_path / "r.sqlite3")), slot)
+    transport = httpx.ASGITransport(app=Starlette(routes=api.routes()))
+
+    async def run(refused: bool) -> dict[str, Any]:
+        nonlocal refuse
+        refuse = refused
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            started = await client.post("/v1/responses", json={"input": "x", "background": True})
+            response_id = started.json()["id"]
+            while api.running:  # until the background task has ended (its own event)
+                await asyncio.wait([r.task for r in api.running.values() if r.task])
+            return (await client.get(f"/v1/responses/{response_id}")).json()  # type: ignore[no-any-return]
+
+    done = asyncio.run(run(False))
+    assert done["status"] == "completed" and held == ["in", "out"]
+    assert done["output"][0]["content"][0]["text"] == "done"
+    failed = asyncio.run(run(True))
+    assert failed["status"] == "failed" and "capacity" in failed["error"]["message"]
