@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -19,6 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # on machines with ibverbs providers installed). Subprocesses inherit these.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")
+# Stored /v1/responses (agent_api/store.py) of servers the tests start without their own
+# --response-store go to a scratch directory, not the user's data directory.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="pdserve-tests-data-")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")

@@ -170,6 +170,8 @@ def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise InvalidRequestError(f"{at} needs an id and a name", param=at)
+            if not isinstance(block.get("input", {}), dict):
+                raise InvalidRequestError(f"{at}.input must be an object", param=f"{at}.input")
             arguments = json.dumps(block.get("input") or {})
             calls.append(
                 {
@@ -242,7 +244,11 @@ def _output_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = config.get("format")
     if fmt is None:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
         raise InvalidRequestError(
             "output_config.format must be {type: 'json_schema', schema: {...}}",
             param="output_config.format",

@@ -304,6 +304,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise InvalidRequestError(
             "text takes format only (verbosity: the model has no setting)", param="text"
         )
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format must be an object with a type", param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -156,6 +156,81 @@ chat_bodies = perturbed(
 )
 
 
+items = st.lists(
+    some_of(
+        type=st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                              "input_image", "item_reference"]),
+        role=st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+        content=st.text(max_size=10) | content_parts | json_values,
+        call_id=st.text(max_size=4) | json_values,
+        name=st.text(max_size=4),
+        arguments=st.text(max_size=6),
+        output=st.text(max_size=6) | json_values,
+    ),
+    max_size=3,
+)  # fmt: skip
+responses_bodies = perturbed(
+    {"input": st.text(min_size=1, max_size=20), "max_output_tokens": st.integers(1, 8)},
+    {
+        "input": items | json_values,
+        "instructions": st.text(max_size=8) | json_values,
+        "tools": st.lists(json_values | st.fixed_dictionaries(
+            {"type": st.just("function"), "name": st.text(max_size=4)}), max_size=2),
+        "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+        "text": some_of(format=json_values | some_of(type=st.sampled_from(
+            ["text", "json_object", "json_schema", "x"]), schema=json_values)),
+        "reasoning": some_of(effort=st.sampled_from(["none", "high"]) | json_values),
+        "previous_response_id": st.text(max_size=8),
+        "store": st.booleans(),
+        "background": st.booleans(),
+        "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4)) | json_values,
+        "include": st.lists(st.text(max_size=6), max_size=2),
+        "top_logprobs": st.integers(-1, 25),
+        "stream": st.booleans(),
+        "temperature": small_floats,
+        "top_p": small_floats,
+    },
+)  # fmt: skip
+blocks = st.lists(
+    some_of(
+        type=st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]),
+        text=st.text(max_size=8) | json_values,
+        id=st.text(max_size=4),
+        name=st.text(max_size=4),
+        input=json_values,
+        tool_use_id=st.text(max_size=4) | json_values,
+        content=st.text(max_size=6) | json_values,
+    ),
+    max_size=3,
+)
+messages_bodies = perturbed(
+    {
+        "model": st.just("MODEL"),
+        "max_tokens": st.integers(1, 8),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                   "content": st.text(max_size=12)}), min_size=1, max_size=2),
+    },
+    {
+        "messages": st.lists(some_of(role=st.sampled_from(["user", "assistant", "system"]),
+                                     content=st.text(max_size=8) | blocks | json_values),
+                             max_size=3) | json_values,
+        "system": st.text(max_size=6) | blocks | json_values,
+        "tools": st.lists(json_values | some_of(name=st.text(max_size=4),
+                                                input_schema=json_values), max_size=2),
+        "tool_choice": some_of(type=st.sampled_from(["auto", "any", "tool", "none", "x"]),
+                               name=st.text(max_size=4)) | json_values,
+        "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | json_values,
+        "thinking": some_of(type=st.sampled_from(["enabled", "disabled"])) | json_values,
+        "output_config": some_of(format=json_values, effort=json_values) | json_values,
+        "metadata": some_of(user_id=json_values) | json_values,
+        "stream": st.booleans(),
+        "temperature": small_floats,
+        "top_k": st.integers(-2, 50),
+    },
+)  # fmt: skip
+
+
 def encode(body: Any) -> bytes:
     return json.dumps(body).encode()  # NaN and Infinity as Python writes them
 

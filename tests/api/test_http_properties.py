@@ -16,7 +16,10 @@ property); `bench/fuzz_http.sh` runs the `soak` profile for longer.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import secrets
+import time
 from typing import Any
 
 import httpx
@@ -39,8 +42,10 @@ from tests.api.http_fuzz import (
     json_values,
     make_handoff,
     maybe,
+    messages_bodies,
     perturbed,
     post_calls,
+    responses_bodies,
     send,
     some_of,
     token_ids,
@@ -244,3 +249,52 @@ def test_any_method_on_any_path_is_answered(cluster: Cluster, data: st.DataObjec
     with cleanup(cluster.prefill):
         assert_answered(send(node.url, call), call)
     assert_settled(node)
+
+
+# -- the agent APIs on a whole node -----------------------------------------------------------
+
+
+@given(call=post_calls(["/v1/responses"], responses_bodies, API_KEY))
+def test_a_whole_node_answers_every_responses_body_with_a_result_or_a_4xx(
+    cluster: Cluster, call: Call
+) -> None:
+    """The Responses API (`agent_api/`): never a 5xx, nothing held afterwards (a background
+    response included, once it ended)."""
+    response = send(cluster.single.url, call)
+    assert_answered(response, call)
+    if response.status_code == 200 and b'"background": true' in response.content[:2000]:
+        _wait_background(cluster.single.url, response.json()["id"])
+    assert_settled(cluster.single)
+
+
+def _wait_background(url: str, response_id: str) -> None:
+    deadline = time.monotonic() + 30
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    while httpx.get(f"{url}/v1/responses/{response_id}", headers=headers).json()["status"] in (
+        "queued",
+        "in_progress",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@given(call=post_calls(["/v1/messages"], messages_bodies, API_KEY))
+def test_a_whole_node_answers_every_messages_body_with_a_result_or_a_4xx(
+    cluster: Cluster, call: Call
+) -> None:
+    """The Messages API: never a 5xx; a 4xx in Anthropic's error schema; an error event in a
+    stream never a server error; nothing held afterwards."""
+    call = dataclasses.replace(call, body=call.body.replace(b'"MODEL"', json.dumps(
+        str(cluster.model)).encode()))  # fmt: skip
+    response = send(cluster.single.url, call)
+    what = f"{call.path} {call.body[:300]!r} → {response.status_code}"
+    assert response.status_code < 500, f"{what}: {response.text[:500]}"
+    if response.status_code >= 400:
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, what
+    elif response.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in response.text.splitlines():
+            if line.startswith("data: ") and '"type": "error"' in line:
+                kind = json.loads(line[len("data: ") :])["error"]["type"]
+                assert kind not in ("api_error",), f"{what}: {line}"
+    assert_settled(cluster.single)
