@@ -76,24 +76,36 @@ def start_proxy(prefill: list[str], decode: list[str], *extra: str) -> Server:
         raise
 
 
+def agent_node_args(chat_model_dir: Path, role: str) -> list[str]:
+    """A node of the agent APIs' tests: the tiny chat model, served as `default`."""
+    return ["--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
+            "--num-kv-blocks", "256", "--max-model-len", "2048", "--block-size", "16",
+            "--served-model-name", "default", "--role", role]  # fmt: skip
+
+
 @pytest.fixture(scope="package")
 def agent_nodes(chat_model_dir: Path) -> Iterator[tuple[Server, Server]]:
-    """(prefill, decode) on the tiny chat model, served as `default`, for the agent APIs'
-    tests (`test_responses_api.py`, `test_messages_api.py`)."""
-    args = ["--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
-            "--num-kv-blocks", "256", "--max-model-len", "2048", "--block-size", "16",
-            "--served-model-name", "default"]  # fmt: skip
-    prefill, decode = start_servers([*args, "--role", "prefill"], [*args, "--role", "decode"])
+    """(prefill, decode) for the agent APIs' tests (`test_responses_api.py`,
+    `test_messages_api.py`, `test_response_store_pg.py`)."""
+    prefill, decode = start_servers(
+        agent_node_args(chat_model_dir, "prefill"), agent_node_args(chat_model_dir, "decode")
+    )
     yield prefill, decode
     stop_all([prefill, decode])
 
 
-def start_agent_proxy(nodes: tuple[Server, Server], store: Path | str, *extra: str) -> Server:
-    """A proxy in front of `agent_nodes` that asks clients for no key (each client's key
-    names its stored responses), storing responses in `store`."""
+def start_agent_proxy(
+    nodes: tuple[Server, Server],
+    store: Path | str,
+    *extra: str,
+    more_prefill: tuple[Server, ...] = (),
+) -> Server:
+    """A proxy in front of `agent_nodes` (and `more_prefill` nodes) that asks clients for no
+    key (each client's key names its stored responses), storing responses in `store`."""
     prefill, decode = nodes
-    args = ["--node-api-key", API_KEY, "--health-interval-s", "0.2", "--prefill", prefill.url,
-            "--decode", decode.url, "--response-store", str(store), *extra]  # fmt: skip
+    args = ["--node-api-key", API_KEY, "--health-interval-s", "0.2", "--decode", decode.url,
+            "--response-store", str(store), *extra]  # fmt: skip
+    args += [a for node in (prefill, *more_prefill) for a in ("--prefill", node.url)]
     return wait_healthy(launch(args, env={"PDSERVE_LOG_LEVEL": "WARNING"}, command="proxy"), 60)
 
 

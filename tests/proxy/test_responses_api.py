@@ -23,8 +23,8 @@ from pydantic import BaseModel, Field
 
 from pdserve.agent_api import responses_input
 from pdserve.launch import Node, stop_all
-from tests.api.conftest import API_KEY, Server
-from tests.proxy.conftest import start_agent_proxy
+from tests.api.conftest import API_KEY, Server, start_servers
+from tests.proxy.conftest import agent_node_args, start_agent_proxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -182,6 +182,32 @@ def test_a_chain_of_five_turns_survives_a_proxy_restart(
         rows = db.execute("SELECT id, owner FROM pdserve_responses").fetchall()
     assert {r[0] for r in rows} == {t.id for t in turns}
     assert all(re.fullmatch("[0-9a-f]{64}", r[1]) for r in rows)
+
+
+def test_the_fifth_turn_computes_only_its_new_tokens_with_two_prefill_nodes(
+    agent_nodes: tuple[Server, Server], chat_model_dir: Path, tmp_path: Path
+) -> None:
+    """Cache-aware routing (the proxy hashing prompts with the nodes' own tokenizer) keeps
+    a chain on the prefill node that holds its history: in turn 5 the two prefill nodes
+    together compute exactly the prompt tokens that were not cached, and most were."""
+    [other] = start_servers(agent_node_args(chat_model_dir, "prefill"))
+    front = start_agent_proxy(agent_nodes, tmp_path / "r.sqlite3", "--model",
+                              str(chat_model_dir), more_prefill=(other,))  # fmt: skip
+    try:
+        client = sdk(front)
+        previous = None
+        for question in ["one", "two", "three", "four"]:
+            previous = _turn(client, previous, question * 8).id
+        prefills = (agent_nodes[0], other)
+        before = sum(_prompt_tokens_computed(p) for p in prefills)
+        fifth = _turn(client, previous, "five" * 8)
+        computed = sum(_prompt_tokens_computed(p) for p in prefills) - before
+        usage = fifth.usage
+        cached = usage.input_tokens_details.cached_tokens
+        assert computed == usage.input_tokens - cached, (computed, usage)
+        assert cached >= usage.input_tokens // 2, usage  # the history, to its last full block
+    finally:
+        stop_all([front, other])
 
 
 def _prompt_tokens_computed(node: Server) -> int:
