@@ -315,6 +315,8 @@ class ResponsesAPI:
         return JSONResponse(stored.response)
 
     async def close(self) -> None:
+        """At shutdown: every background response still running ends `cancelled` (its chat
+        request sees its client leave and aborts), then the store closes."""
         for running in list(self.running.values()):
             running.cancelled.set()
         tasks = [r.task for r in self.running.values() if r.task is not None]

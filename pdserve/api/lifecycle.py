@@ -137,6 +137,8 @@ async def run_server(
         for task in (sweeper, watcher):
             if task is not None:
                 task.cancel()
+        for close in state.closers:
+            await close()
         await client.shutdown()
 
 

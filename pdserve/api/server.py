@@ -108,6 +108,7 @@ def create_app(state: ServerState) -> Starlette:
 
     # The agent APIs run each request as a chat completion of this node (`agent_api/`).
     responses = ResponsesAPI(chat_completions, state.response_store)
+    state.closers.append(responses.close)
 
     return Starlette(
         middleware=[Middleware(EdgeMiddleware, state=state)],

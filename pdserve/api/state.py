@@ -6,6 +6,7 @@ other."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from pdserve.api.live import LiveRequests
 from pdserve.api.metrics import MetricsRecorder
@@ -36,6 +37,9 @@ class ServerState:
         """Credential for node-to-node calls, both ways (`/kv/*`, releases)."""
         self.seams = seams
         self.response_store = response_store
+        self.closers: list[Callable[[], Awaitable[None]]] = []
+        """Run once the server stopped serving, before the engine stops (the agent APIs'
+        background responses end as cancelled, their store closes)."""
         self.live = LiveRequests()
         self.ready = False
         self.draining = False

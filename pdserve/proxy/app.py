@@ -63,6 +63,7 @@ def create_proxy_app(state: ProxyState) -> Starlette:
 
     # The agent APIs run each request as a chat completion through the legs (`agent_api/`).
     responses = ResponsesAPI(chat_completions, state.config.response_store, state.admission.slot)
+    state.closers.append(responses.close)
 
     async def pass_through(request: Request) -> Response:
         return await _pass_through(state, request)
@@ -171,6 +172,8 @@ async def _lifespan(state: ProxyState, app: Starlette) -> AsyncIterator[None]:
         checker.cancel()
         if follower is not None:
             follower.cancel()
+        for close in state.closers:  # before the legs' client closes: they may abort legs
+            await close()
         if state.background:  # each release gives up after 2 s
             await asyncio.wait(set(state.background), timeout=5.0)
         await state.http.aclose()

@@ -10,7 +10,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,9 @@ class ProxyState:
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Releases that must not hold up a request (a retry elsewhere, a 499), awaited at
     shutdown so that none is dropped."""
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run at shutdown before the legs' client closes (the agent APIs' background
+    responses end as cancelled, their store closes)."""
 
     def __post_init__(self) -> None:
         self.node_ssl = self.config.tls.client_context()

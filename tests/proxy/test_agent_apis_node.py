@@ -5,6 +5,7 @@ nothing of it afterwards (nothing running, every KV block back in the pool)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +25,17 @@ LONG = {"type": "object", "required": ["s"], "additionalProperties": False,
 """An output of at least 1,500 tokens (one per byte): 30 s at the node's pace, unless cut."""
 
 
-@pytest.fixture(scope="module")
-def node(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    store = tmp_path_factory.mktemp("store") / "r.sqlite3"
-    server = start_server(
+def paced_node(chat_model_dir: Path, store: Path) -> Server:
+    return start_server(
         "--model", str(chat_model_dir), "--dtype", "float32", "--api-key", API_KEY,
         "--served-model-name", "default", "--max-model-len", "2048",
         "--debug-step-delay-s", "0.02", "--response-store", str(store),
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def node(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = paced_node(chat_model_dir, tmp_path_factory.mktemp("store") / "r.sqlite3")
     yield server
     assert stop_server(server) == 0
 
@@ -60,10 +64,7 @@ def test_cancelling_a_background_response_releases_it(node: Server) -> None:
     client = openai.OpenAI(base_url=f"{node.url}/v1", api_key=API_KEY, max_retries=0)
     started = client.post("/responses", cast_to=object, body=long_response(background=True))
     response_id = started["id"]  # type: ignore[index]
-    deadline = time.monotonic() + 10
-    while kv_counters(node)["num_running"] == 0:  # it runs after its answer came
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_running(node)  # it runs after its answer came
     cancelled = client.responses.cancel(response_id)
     assert cancelled.status == "cancelled"
     wait_idle(node)
@@ -73,6 +74,30 @@ def test_cancelling_a_background_response_releases_it(node: Server) -> None:
     with pytest.raises(openai.BadRequestError):  # only background responses are cancelled
         done = client.responses.create(model="default", input="x", max_output_tokens=1)
         client.responses.cancel(done.id)
+
+
+def wait_running(node: Server) -> None:
+    deadline = time.monotonic() + 10
+    while kv_counters(node)["num_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_node_that_stops_ends_its_background_responses_as_cancelled(
+    chat_model_dir: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "r.sqlite3"
+    server = paced_node(chat_model_dir, store)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        started = client.post("/responses", cast_to=object, body=long_response(background=True))
+        wait_running(server)
+    finally:
+        assert stop_server(server) == 0
+    with sqlite3.connect(store) as db:
+        [row] = db.execute("SELECT response FROM pdserve_responses").fetchall()
+    stored = json.loads(row[0])
+    assert stored["id"] == started["id"] and stored["status"] == "cancelled"  # type: ignore[index]
 
 
 @pytest.mark.parametrize("api", ["responses", "messages"])
