@@ -14,6 +14,7 @@ import logging
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic.json_schema import JsonDict
 
 from pdserve.errors import InvalidRequestError
 
@@ -98,11 +99,26 @@ def screen(
     return kept
 
 
+def _document_screened(schema: JsonDict, model: type[BaseModel]) -> None:
+    """/openapi.json: the fields a body's tables pass, with what is done with them."""
+    properties = schema.setdefault("properties", {})
+    assert isinstance(properties, dict)
+    not_served: dict[str, tuple[str, tuple[Any, ...]]] = getattr(model, "not_served", {})
+    no_effect: dict[str, str] = getattr(model, "no_effect", {})
+    for name, (why, accepted) in not_served.items():
+        if name not in properties:
+            allowed = ", ".join("null" if v is None else repr(v) for v in accepted)
+            properties[name] = {"description": f"refused (400) unless {allowed}: {why}"}
+    for name, effect in no_effect.items():
+        properties.setdefault(name, {"description": f"accepted, changes no output: {effect}"})
+
+
 class ScreenedBody(BaseModel):
     """A request body whose fields beyond its own are screened (`screen`) against its API's
-    tables, then refused by pydantic if still there (`extra="forbid"`)."""
+    tables, then refused by pydantic if still there (`extra="forbid"`); its schema in
+    /openapi.json names them too."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_screened)
     not_served: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = NOT_SERVED
     no_effect: ClassVar[dict[str, str]] = NO_EFFECT
 

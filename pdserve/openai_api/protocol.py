@@ -28,21 +28,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-def _document_screened(schema: JsonDict) -> None:
-    """/openapi.json: the fields `fields.screen` passes, with what it does with them."""
-    properties = schema.setdefault("properties", {})
-    assert isinstance(properties, dict)
-    for name, (why, accepted) in fields.NOT_SERVED.items():
-        if name not in properties:
-            allowed = ", ".join("null" if v is None else repr(v) for v in accepted)
-            properties[name] = {"description": f"refused (400) unless {allowed}: {why}"}
-    for name, effect in fields.NO_EFFECT.items():
-        properties.setdefault(name, {"description": f"accepted, changes no output: {effect}"})
-
-
 class _SamplingFields(fields.ScreenedBody):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_screened)
-
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
