@@ -26,6 +26,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -418,13 +419,18 @@ def hf_dir_for(model: str) -> Path:
     target = HF_EXPORT_CACHE / path.stem
     if (target / "config.json").exists():
         return target
-    from pdserve_bench.hf_reference import save_hf_dir
-
     print(f"exporting {path.name} to {target} (once) ...")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=target.parent))
     try:
-        save_hf_dir(partial, path)
+        # In a child process: the export holds the whole model in float32 (13.9 GB of RSS at
+        # Qwen3-1.7B's shape), which this process would keep while vLLM loads its own copy
+        # beside it: that ran a 24 GB machine out of memory.
+        export = (
+            "import sys; from pathlib import Path; from pdserve_bench.hf_reference "
+            "import save_hf_dir; save_hf_dir(Path(sys.argv[1]), Path(sys.argv[2]))"
+        )
+        subprocess.run([sys.executable, "-c", export, str(partial), str(path)], check=True)
         partial.rename(target)  # atomic: an interrupted export is never mistaken for one
     finally:
         shutil.rmtree(partial, ignore_errors=True)
